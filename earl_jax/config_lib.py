@@ -1,0 +1,264 @@
+"""Typed, validated configuration: the edge between ml_collections files and the library.
+
+``configs/*.py`` build an ``ml_collections.ConfigDict``; ``from_config_dict`` turns it into the
+frozen dataclasses below, and every library function takes those dataclasses, never the dict.
+Validation happens here, before any compute: an unknown key, a wrong type or an impossible value
+raises ``ConfigError`` naming the key path, the value and what is allowed.
+
+This is the only library module that imports ml_collections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import ml_collections
+
+from earl_jax.types import DType
+
+
+class ConfigError(ValueError):
+  """A config key has a value that is not allowed. The message names key, value and the rule."""
+
+  def __init__(self, key: str, value: Any, allowed: str):
+    self.key, self.value, self.allowed = key, value, allowed
+    super().__init__(f"config key '{key}' has value {value!r}; allowed: {allowed}")
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+  if not ok:
+    raise ConfigError(key, value, allowed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+class RopeType(enum.Enum):
+  DEFAULT = "default"  # plain RoPE with rope_theta
+  LLAMA3 = "llama3"  # Llama-3.1 frequency-dependent scaling of the inverse frequencies
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  """Rotary embedding parameters (HF ``rope_theta`` / ``rope_scaling`` / ``rope_parameters``)."""
+
+  theta: float = 10000.0
+  type: RopeType = RopeType.DEFAULT
+  factor: float = 8.0  # llama3 only: overall wavelength scaling
+  low_freq_factor: float = 1.0  # llama3 only
+  high_freq_factor: float = 4.0  # llama3 only
+  original_max_position_embeddings: int = 8192  # llama3 only: context the base model was trained at
+
+  def __post_init__(self):
+    _require(self.theta > 0, "theta", self.theta, "a positive float")
+    _require(self.factor >= 1.0, "factor", self.factor, "a float >= 1")
+    _require(self.low_freq_factor > 0, "low_freq_factor", self.low_freq_factor, "a positive float")
+    _require(
+      self.high_freq_factor > self.low_freq_factor,
+      "high_freq_factor",
+      self.high_freq_factor,
+      f"a float > low_freq_factor ({self.low_freq_factor})",
+    )
+    _require(
+      self.original_max_position_embeddings > 0,
+      "original_max_position_embeddings",
+      self.original_max_position_embeddings,
+      "a positive int",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder of the Llama / Qwen2 family.
+
+  ``vocab_size`` is the tokenizer's vocabulary; the embedding table has ``padded_vocab_size`` rows
+  (rounded up to ``vocab_multiple``) so the vocab dimension divides any tensor-parallel size that
+  divides ``vocab_multiple``. Padded logits are masked, never sampled.
+  """
+
+  vocab_size: int = 256
+  embed_dim: int = 64  # D, HF hidden_size
+  mlp_dim: int = 128  # F, HF intermediate_size
+  num_layers: int = 2  # L
+  num_heads: int = 4  # H
+  num_kv_heads: int = 2  # K; H % K == 0 (grouped-query attention)
+  head_dim: int = 16  # Dh; HF default is embed_dim // num_heads
+  rms_norm_eps: float = 1e-6
+  rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+  qkv_bias: bool = False  # Qwen2: True
+  tie_embeddings: bool = False  # output projection shares the embedding table
+  max_seq_len: int = 2048  # longest context (prompt + all turns) the model is asked to handle
+  vocab_multiple: int = 128  # pad the embedding rows up to a multiple of this
+  param_dtype: DType = DType.FLOAT32
+  compute_dtype: DType = DType.FLOAT32
+
+  def __post_init__(self):
+    for key in ("vocab_size", "embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads"):
+      value = getattr(self, key)
+      _require(value > 0, key, value, "a positive int")
+    _require(self.head_dim > 0, "head_dim", self.head_dim, "a positive int")
+    _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "an even int (RoPE rotates pairs)")
+    _require(
+      self.num_heads % self.num_kv_heads == 0,
+      "num_kv_heads",
+      self.num_kv_heads,
+      f"a divisor of num_heads={self.num_heads}",
+    )
+    _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "a positive float")
+    _require(self.max_seq_len > 0, "max_seq_len", self.max_seq_len, "a positive int")
+    _require(self.vocab_multiple > 0, "vocab_multiple", self.vocab_multiple, "a positive int")
+
+  @property
+  def padded_vocab_size(self) -> int:
+    m = self.vocab_multiple
+    return -(-self.vocab_size // m) * m
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (padded vocab included), used by memory models."""
+    d, f, h, k, dh = self.embed_dim, self.mlp_dim, self.num_heads, self.num_kv_heads, self.head_dim
+    attn = d * h * dh + 2 * d * k * dh + h * dh * d
+    if self.qkv_bias:
+      attn += h * dh + 2 * k * dh
+    per_layer = attn + 3 * d * f + 2 * d
+    emb = self.padded_vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * per_layer + emb + d
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+class TokenizerKind(enum.Enum):
+  CHAR = "char"  # built-in character tokenizer for tiny from-scratch models; needs no files
+  HF = "hf"  # tokenizer.json (+ tokenizer_config.json chat template) from `path`
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+  kind: TokenizerKind = TokenizerKind.CHAR
+  path: str = ""  # HF: local directory or hub repo id holding tokenizer.json
+
+  def __post_init__(self):
+    _require(
+      self.kind != TokenizerKind.HF or bool(self.path),
+      "path",
+      self.path,
+      "a directory or hub repo id when kind='hf'",
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiment
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Everything a run needs. Sections grow with the stages; each has its own dataclass."""
+
+  seed: int = 0
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+  pretrained_path: str = ""  # HF directory or repo id; when set, model is read from its config.json
+
+  def __post_init__(self):
+    _require(self.seed >= 0, "seed", self.seed, "a non-negative int")
+
+
+# ----------------------------------------------------------------------------------------------
+# ConfigDict -> dataclasses
+
+T = TypeVar("T")
+
+
+def from_config_dict(config: ml_collections.ConfigDict | Mapping[str, Any]) -> ExperimentConfig:
+  """Converts a config (as built by ``configs/*.py``) into a validated ``ExperimentConfig``."""
+  return build(ExperimentConfig, config)
+
+
+def build(cls: type[T], values: Mapping[str, Any] | ml_collections.ConfigDict, path: str = "") -> T:
+  """Builds dataclass ``cls`` from a mapping, checking keys, types and values recursively."""
+  if isinstance(values, ml_collections.ConfigDict):
+    values = values.to_dict()
+  if not isinstance(values, Mapping):
+    raise ConfigError(path or "<root>", values, f"a dict of {cls.__name__} fields")
+  fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+  unknown = sorted(set(values) - set(fields))
+  if unknown:
+    raise ConfigError(
+      _join(path, unknown[0]), values[unknown[0]], f"one of the known keys {sorted(fields)}"
+    )
+  hints = typing.get_type_hints(cls)
+  kwargs = {
+    name: _convert(hints[name], values[name], _join(path, name)) for name in values if name in fields
+  }
+  try:
+    return cls(**kwargs)
+  except ConfigError as e:
+    raise ConfigError(_join(path, e.key), e.value, e.allowed) from None
+
+
+def _join(path: str, key: str) -> str:
+  return f"{path}.{key}" if path else key
+
+
+def _convert(hint: Any, value: Any, path: str) -> Any:
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    args = typing.get_args(hint)
+    if value is None and type(None) in args:
+      return None
+    (inner,) = [a for a in args if a is not type(None)]
+    return _convert(inner, value, path)
+  if dataclasses.is_dataclass(hint):
+    return build(hint, value, path)
+  if isinstance(hint, type) and issubclass(hint, enum.Enum):
+    if isinstance(value, hint):
+      return value
+    allowed = [m.value for m in hint]
+    if value not in allowed:
+      raise ConfigError(path, value, f"one of {allowed}")
+    return hint(value)
+  if origin is tuple:
+    if not isinstance(value, (tuple, list)):
+      raise ConfigError(path, value, f"a tuple ({hint})")
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+      return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if len(args) != len(value):
+      raise ConfigError(path, value, f"a tuple of {len(args)} items ({hint})")
+    return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+  if hint is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(path, value, "True or False")
+    return value
+  if hint is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(path, value, "an int")
+    return value
+  if hint is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(path, value, "a float")
+    return float(value)
+  if hint is str:
+    if not isinstance(value, str):
+      raise ConfigError(path, value, "a string")
+    return value
+  raise TypeError(f"config_lib cannot convert {path} of type {hint}")  # a bug in a dataclass
+
+
+def to_dict(config: Any) -> Any:
+  """Dataclass config -> plain JSON-able dict (enums as their values); inverse of ``build``."""
+  if dataclasses.is_dataclass(config):
+    return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+  if isinstance(config, enum.Enum):
+    return config.value
+  if isinstance(config, tuple):
+    return [to_dict(v) for v in config]
+  return config
