@@ -196,7 +196,9 @@ def build(cls: type[T], values: Mapping[str, Any] | ml_collections.ConfigDict, p
     )
   hints = typing.get_type_hints(cls)
   kwargs = {
-    name: _convert(hints[name], values[name], _join(path, name)) for name in values if name in fields
+    name: _convert(hints[name], values[name], _join(path, name))
+    for name in values
+    if name in fields
   }
   try:
     return cls(**kwargs)

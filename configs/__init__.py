@@ -1,0 +1,1 @@
+"""Experiment configs: ``base.py`` declares every key once; other files derive from it."""

@@ -1,0 +1,126 @@
+"""Config system: every config file loads and validates; bad values fail with a named key."""
+
+import dataclasses
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from earl_jax import config_lib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIG_FILES = sorted(p.stem for p in (REPO / "configs").glob("*.py") if p.stem != "__init__")
+
+
+def _load(name: str) -> ml_collections.ConfigDict:
+  sys.path.insert(0, str(REPO))
+  try:
+    return importlib.import_module(f"configs.{name}").get_config()
+  finally:
+    sys.path.remove(str(REPO))
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_every_config_file_loads_and_validates(name: str):
+  cfg = _load(name)
+  exp = config_lib.from_config_dict(cfg)
+  assert isinstance(exp, config_lib.ExperimentConfig)
+  # The dataclass round-trips to the same dict the file produced.
+  assert config_lib.to_dict(exp) == cfg.to_dict()
+
+
+def test_base_defaults_equal_dataclass_defaults():
+  # configs/base.py is the single place users read defaults; the dataclasses must agree with it.
+  assert config_lib.to_dict(config_lib.ExperimentConfig()) == _load("base").to_dict()
+
+
+def test_derived_configs_declare_no_new_keys():
+  base_keys = set(_flat(_load("base").to_dict()))
+  for name in CONFIG_FILES:
+    assert set(_flat(_load(name).to_dict())) <= base_keys, name
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+@pytest.mark.parametrize(
+  ("path", "value", "fragment"),
+  [
+    ("model.num_kv_heads", 3, "divisor of num_heads=4"),
+    ("model.num_layers", -1, "positive int"),
+    ("model.head_dim", 7, "even"),
+    ("model.param_dtype", "float16", "one of ['float32', 'bfloat16']"),
+    ("model.num_layers", 2.5, "an int"),
+    ("model.qkv_bias", 1, "True or False"),
+    ("model.rope.type", "yarn", "one of ['default', 'llama3']"),
+    ("model.rope.theta", 0.0, "positive"),
+    ("tokenizer.kind", "sentencepiece", "one of ['char', 'hf']"),
+    ("seed", -3, "non-negative"),
+  ],
+)
+def test_bad_values_name_key_value_and_rule(path: str, value, fragment: str):
+  d = _load("base").to_dict()
+  node = d
+  *parents, leaf = path.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.from_config_dict(d)
+  assert err.value.key == path
+  assert repr(value) in str(err.value) and fragment in str(err.value)
+
+
+def test_unknown_key_is_rejected_with_known_keys_listed():
+  d = _load("base").to_dict()
+  d["model"]["num_layer"] = 3
+  with pytest.raises(config_lib.ConfigError, match=r"model\.num_layer.*known keys"):
+    config_lib.from_config_dict(d)
+
+
+def test_hf_tokenizer_needs_a_path():
+  with pytest.raises(config_lib.ConfigError, match=r"tokenizer\.path"):
+    config_lib.build(config_lib.ExperimentConfig, {"tokenizer": {"kind": "hf"}})
+
+
+def test_configs_are_frozen():
+  exp = config_lib.ExperimentConfig()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    exp.model.num_layers = 3  # type: ignore[misc]
+
+
+def test_padded_vocab():
+  assert config_lib.ModelConfig(vocab_size=130, vocab_multiple=128).padded_vocab_size == 256
+  assert config_lib.ModelConfig(vocab_size=128, vocab_multiple=128).padded_vocab_size == 128
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run(
+    [sys.executable, str(REPO / "launch" / "train.py"), *args],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=REPO,
+  )
+
+
+def test_launch_rejects_unknown_override_before_compute():
+  proc = _train("--config.model.num_layerz=3")
+  assert proc.returncode != 0
+  assert "unknown config key 'num_layerz' under 'model'" in proc.stderr
+
+
+def test_launch_rejects_impossible_value():
+  proc = _train("--config.model.num_kv_heads=3")
+  assert proc.returncode != 0
+  assert "model.num_kv_heads" in proc.stderr and "divisor of num_heads" in proc.stderr
