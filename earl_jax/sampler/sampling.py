@@ -1,0 +1,125 @@
+"""Sampling strategies of the rollout engine: frozen dataclasses with one method each.
+
+The decode loop (``sampler/engine.py``) calls ``strategy.sample(logits_BxV, rng)`` once per step.
+Strategies are hashable so they can be static arguments of the jitted loop.
+
+The returned log-prob is that of the sampled token under the distribution actually sampled from
+(temperature applied, top-k / top-p truncated and renormalised): the behaviour policy of the
+importance ratios in PPO-style losses. ``Greedy`` samples from a point mass, whose log-prob (0) is
+useless for RL, so it reports the log-prob under the unmodified model distribution instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from earl_jax.config_lib import ConfigError
+
+_NEG = -1e30  # logit of an excluded token: exp() is exactly 0 in f32 and no inf arithmetic
+
+
+def _log_softmax_pick(logits_BxV: jax.Array, tokens_B: jax.Array) -> jax.Array:
+  logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+  return jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+  """Argmax decoding (evaluation, tests)."""
+
+  def sample(self, logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    del rng
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return tokens_B, _log_softmax_pick(logits_BxV, tokens_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class Temperature:
+  """Ancestral sampling from softmax(logits / temperature)."""
+
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    if not self.temperature > 0:
+      raise ConfigError("temperature", self.temperature, "a positive float (use Greedy for 0)")
+
+  def process(self, logits_BxV: jax.Array) -> jax.Array:
+    return logits_BxV.astype(jnp.float32) / self.temperature
+
+  def sample(self, logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _sample_processed(self.process(logits_BxV), rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+  """Sample among the k most likely tokens, after temperature."""
+
+  k: int = 50
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    if self.k < 1:
+      raise ConfigError("k", self.k, "an int >= 1")
+    Temperature(self.temperature)  # validates
+
+  def process(self, logits_BxV: jax.Array) -> jax.Array:
+    logits_BxV = logits_BxV.astype(jnp.float32) / self.temperature
+    k = min(self.k, logits_BxV.shape[-1])
+    kth_B1 = jax.lax.top_k(logits_BxV, k)[0][:, k - 1 :]
+    # Ties at the k-th value are all kept: the set stays a deterministic function of the logits.
+    return jnp.where(logits_BxV >= kth_B1, logits_BxV, _NEG)
+
+  def sample(self, logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _sample_processed(self.process(logits_BxV), rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopP:
+  """Nucleus sampling: the smallest set of tokens whose probability reaches p, after temperature."""
+
+  p: float = 0.95
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    if not 0.0 < self.p <= 1.0:
+      raise ConfigError("p", self.p, "a float in (0, 1]")
+    Temperature(self.temperature)
+
+  def process(self, logits_BxV: jax.Array) -> jax.Array:
+    logits_BxV = logits_BxV.astype(jnp.float32) / self.temperature
+    probs_BxV = jax.nn.softmax(logits_BxV, axis=-1)
+    sorted_BxV = jnp.sort(probs_BxV, axis=-1)[:, ::-1]
+    # A token is kept when the mass strictly before it (in descending order) is below p, so the
+    # most likely token is always kept.
+    before_BxV = jnp.cumsum(sorted_BxV, axis=-1) - sorted_BxV
+    keep_BxV = before_BxV < self.p
+    threshold_B1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(probs_BxV >= threshold_B1, logits_BxV, _NEG)
+
+  def sample(self, logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _sample_processed(self.process(logits_BxV), rng)
+
+
+def _sample_processed(logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+  tokens_B = jax.random.categorical(rng, logits_BxV, axis=-1).astype(jnp.int32)
+  return tokens_B, _log_softmax_pick(logits_BxV, tokens_B)
+
+
+Strategy = Greedy | Temperature | TopK | TopP
+
+
+def make_strategy(name: str, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+  """Builds a strategy from config values: greedy | temperature | top_k | top_p."""
+  if name == "greedy":
+    return Greedy()
+  if name == "temperature":
+    return Temperature(temperature)
+  if name == "top_k":
+    return TopK(top_k, temperature)
+  if name == "top_p":
+    return TopP(top_p, temperature)
+  raise ConfigError("strategy", name, "one of ['greedy', 'temperature', 'top_k', 'top_p']")

@@ -1,0 +1,92 @@
+"""Sampling strategies: the distribution each one samples from, checked against numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from earl_jax.config_lib import ConfigError
+from earl_jax.sampler import sampling
+
+
+def _np_log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _np_processed(strategy, logits: np.ndarray) -> np.ndarray:
+  """Reference: log-probs of the distribution each strategy should sample from (-inf = excluded)."""
+  t = getattr(strategy, "temperature", 1.0)
+  z = logits / t
+  if isinstance(strategy, sampling.TopK):
+    kth = np.sort(z, -1)[:, -strategy.k][:, None]
+    z = np.where(z >= kth, z, -np.inf)
+  if isinstance(strategy, sampling.TopP):
+    p = np.exp(_np_log_softmax(z))
+    out = np.full_like(z, -np.inf)
+    for b in range(z.shape[0]):
+      order = np.argsort(-p[b], kind="stable")
+      mass = 0.0
+      for i in order:
+        if mass >= strategy.p:
+          break
+        out[b, i] = z[b, i]
+        mass += p[b, i]
+    z = out
+  return _np_log_softmax(z)
+
+
+@pytest.mark.parametrize(
+  "strategy",
+  [
+    sampling.Temperature(1.0),
+    sampling.Temperature(0.7),
+    sampling.TopK(3, 1.3),
+    sampling.TopK(1),
+    sampling.TopP(0.6, 0.9),
+    sampling.TopP(1.0),
+  ],
+  ids=str,
+)
+def test_processed_distribution_matches_numpy(strategy):
+  logits = np.random.default_rng(0).normal(size=(5, 11)).astype(np.float32) * 2
+  got = jax.nn.log_softmax(strategy.process(jnp.asarray(logits)), axis=-1)
+  want = _np_processed(strategy, logits)
+  kept = np.isfinite(want)
+  np.testing.assert_array_equal(np.asarray(got) > -1e20, kept)
+  np.testing.assert_allclose(np.asarray(got)[kept], want[kept], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", [sampling.TopK(4, 0.8), sampling.TopP(0.7, 1.2)], ids=str)
+def test_sampled_tokens_follow_the_distribution_and_logps_are_exact(strategy):
+  logits = np.random.default_rng(1).normal(size=(1, 7)).astype(np.float32) * 1.5
+  want = np.exp(_np_processed(strategy, logits))[0]
+  keys = jax.random.split(jax.random.key(0), 20000)
+  toks, logps = jax.jit(jax.vmap(lambda k: strategy.sample(jnp.asarray(logits), k)))(keys)
+  freq = np.bincount(np.asarray(toks)[:, 0], minlength=7) / len(keys)
+  np.testing.assert_allclose(freq, want, atol=0.015)
+  np.testing.assert_allclose(
+    np.exp(np.asarray(logps)[:, 0]), want[np.asarray(toks)[:, 0]], rtol=1e-5
+  )
+
+
+def test_greedy_is_argmax_with_model_logprob():
+  logits = jnp.asarray(np.random.default_rng(2).normal(size=(4, 9)), jnp.float32)
+  toks, logps = sampling.Greedy().sample(logits, jax.random.key(0))
+  np.testing.assert_array_equal(toks, np.argmax(logits, -1))
+  np.testing.assert_allclose(logps, _np_log_softmax(np.asarray(logits)).max(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "key"),
+  [
+    ({"name": "temperature", "temperature": 0.0}, "temperature"),
+    ({"name": "top_k", "top_k": 0}, "k"),
+    ({"name": "top_p", "top_p": 1.5}, "p"),
+    ({"name": "beam"}, "strategy"),
+  ],
+)
+def test_bad_strategy_values_are_named(kwargs, key):
+  with pytest.raises(ConfigError) as err:
+    sampling.make_strategy(**kwargs)
+  assert err.value.key == key
