@@ -1,1 +1,29 @@
-"""earl_jax.model."""
+"""earl_jax.model: the Llama/Qwen2-family policy decoder, its KV cache and HF checkpoint import."""
+
+from earl_jax.model.hf_import import CheckpointError, from_pretrained, model_config_from_hf
+from earl_jax.model.kv_cache import (
+  CACHE_END_AXES,
+  CACHE_KV_AXES,
+  CACHE_VALID_AXES,
+  KVCache,
+  cache_partition_specs,
+  init_cache,
+)
+from earl_jax.model.transformer import PAD_LOGIT, Decoder, decode_step, logits, prefill
+
+__all__ = [
+  "CACHE_END_AXES",
+  "CACHE_KV_AXES",
+  "CACHE_VALID_AXES",
+  "PAD_LOGIT",
+  "CheckpointError",
+  "Decoder",
+  "KVCache",
+  "cache_partition_specs",
+  "decode_step",
+  "from_pretrained",
+  "init_cache",
+  "logits",
+  "model_config_from_hf",
+  "prefill",
+]

@@ -1,0 +1,299 @@
+"""Import of Hugging Face Llama / Qwen2 checkpoints (config.json + safetensors) into a Decoder.
+
+Data flow: ``launch``/``rl.loop`` call ``from_pretrained(cfg.pretrained_path)`` once at start-up to
+get the policy (and the reference copy); ``model_config_from_hf`` is reused by anything that only
+needs the architecture (memory models, the plan selector).
+
+The module is created abstractly (``nnx.eval_shape``: no random init of billions of parameters)
+and each variable is filled straight from its checkpoint tensor, converted to our layout
+(q: [D, H, Dh], o: [H, Dh, D], MLP: [D, F] / [F, D], embeddings padded to ``padded_vocab_size``).
+Anything we do not implement (other architectures, sliding windows, unknown RoPE types, o/MLP
+biases) raises instead of loading into a model that would silently compute something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+
+from earl_jax.config_lib import ConfigError, ModelConfig, RopeConfig, RopeType
+from earl_jax.model.transformer import Decoder
+from earl_jax.types import DType
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint cannot be imported: the message names the file, key or tensor at fault."""
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+
+
+def _architecture(hf: Mapping[str, Any]) -> str:
+  archs = hf.get("architectures") or []
+  if archs:
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+      raise CheckpointError(
+        f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+      )
+    return SUPPORTED_ARCHITECTURES[archs[0]]
+  model_type = hf.get("model_type")
+  if model_type not in SUPPORTED_ARCHITECTURES.values():
+    raise CheckpointError(
+      f"config has no 'architectures' and model_type={model_type!r}; supported: "
+      f"{sorted(SUPPORTED_ARCHITECTURES)} (model_type 'llama' or 'qwen2')"
+    )
+  return model_type
+
+
+def _require_key(hf: Mapping[str, Any], key: str) -> Any:
+  if hf.get(key) is None:
+    raise CheckpointError(f"config.json lacks required key '{key}'")
+  return hf[key]
+
+
+def _rope_config(hf: Mapping[str, Any]) -> RopeConfig:
+  """Reads ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
+  params = hf.get("rope_parameters")
+  if params is None:
+    params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+  if "rope_theta" not in params:
+    raise CheckpointError(
+      f"rope_parameters {params} lack 'rope_theta' (per-layer RoPE unsupported)"
+    )
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type == RopeType.DEFAULT.value:
+    return RopeConfig(theta=float(params["rope_theta"]))
+  if rope_type != RopeType.LLAMA3.value:
+    raise CheckpointError(
+      f"unsupported rope_type {rope_type!r}; supported: {[t.value for t in RopeType]}"
+    )
+  missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+  if missing:
+    raise CheckpointError(f"llama3 rope parameters {params} lack {missing}")
+  return RopeConfig(
+    theta=float(params["rope_theta"]),
+    type=RopeType.LLAMA3,
+    factor=float(params["factor"]),
+    low_freq_factor=float(params["low_freq_factor"]),
+    high_freq_factor=float(params["high_freq_factor"]),
+    original_max_position_embeddings=int(
+      params.get("original_max_position_embeddings") or _require_key(hf, "max_position_embeddings")
+    ),
+  )
+
+
+def _check_features(hf: Mapping[str, Any], arch: str) -> None:
+  """Rejects config features the decoder does not implement, naming the key."""
+  if hf.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(f"unsupported hidden_act={hf['hidden_act']!r}; supported: 'silu'")
+  if arch == "qwen2":
+    if hf.get("use_sliding_window"):
+      raise CheckpointError("unsupported Qwen2 feature use_sliding_window=true (sliding window)")
+    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    if other:
+      raise CheckpointError(f"unsupported layer_types {other}; supported: 'full_attention'")
+  if arch == "llama":
+    for key in ("attention_bias", "mlp_bias"):
+      if hf.get(key):
+        raise CheckpointError(f"unsupported Llama feature {key}=true (o_proj / MLP biases)")
+  if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    raise CheckpointError(f"unsupported partial_rotary_factor={hf['partial_rotary_factor']}")
+
+
+def model_config_from_hf(
+  hf: Mapping[str, Any], vocab_multiple: int = 128, *, dtype: str = "float32"
+) -> ModelConfig:
+  """ModelConfig of a HF ``config.json`` dict (LlamaForCausalLM / Qwen2ForCausalLM)."""
+  arch = _architecture(hf)
+  _check_features(hf, arch)
+  try:
+    dt = DType(dtype)
+  except ValueError:
+    raise ConfigError("dtype", dtype, f"one of {[d.value for d in DType]}") from None
+  num_heads = int(_require_key(hf, "num_attention_heads"))
+  embed_dim = int(_require_key(hf, "hidden_size"))
+  return ModelConfig(
+    vocab_size=int(_require_key(hf, "vocab_size")),
+    embed_dim=embed_dim,
+    mlp_dim=int(_require_key(hf, "intermediate_size")),
+    num_layers=int(_require_key(hf, "num_hidden_layers")),
+    num_heads=num_heads,
+    num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+    head_dim=int(hf.get("head_dim") or embed_dim // num_heads),
+    rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    rope=_rope_config(hf),
+    qkv_bias=arch == "qwen2",
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+    vocab_multiple=vocab_multiple,
+    param_dtype=dt,
+    compute_dtype=dt,
+  )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor mapping: our state path -> (HF name, expected HF shape, conversion)
+
+_Convert = Callable[[jax.Array], jax.Array]
+_Entry = tuple[str, tuple[int, ...], _Convert]
+
+
+def _pad_rows(cfg: ModelConfig) -> _Convert:
+  return lambda w: jnp.pad(w, ((0, cfg.padded_vocab_size - cfg.vocab_size), (0, 0)))
+
+
+def _tensor_map(cfg: ModelConfig) -> dict[tuple[Any, ...], _Entry]:
+  d, f, h, k, dh = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  ident: _Convert = lambda w: w  # noqa: E731
+  out: dict[tuple[Any, ...], _Entry] = {
+    ("embed",): ("model.embed_tokens.weight", (cfg.vocab_size, d), _pad_rows(cfg)),
+    ("final_norm", "scale"): ("model.norm.weight", (d,), ident),
+  }
+  if not cfg.tie_embeddings:
+    pad = _pad_rows(cfg)
+    out[("lm_head",)] = ("lm_head.weight", (cfg.vocab_size, d), lambda w: pad(w).T)
+  for i in range(cfg.num_layers):
+    pre, at = f"model.layers.{i}.", ("blocks", i, "attn")
+    out[("blocks", i, "attn_norm", "scale")] = (pre + "input_layernorm.weight", (d,), ident)
+    out[("blocks", i, "mlp_norm", "scale")] = (pre + "post_attention_layernorm.weight", (d,), ident)
+    for name, n in (("q", h), ("k", k), ("v", k)):
+      hf_name = f"{pre}self_attn.{name}_proj"
+      out[(*at, name)] = (hf_name + ".weight", (n * dh, d), lambda w, n=n: w.T.reshape(d, n, dh))
+      if cfg.qkv_bias:
+        out[(*at, name + "_bias")] = (hf_name + ".bias", (n * dh,), lambda w, n=n: w.reshape(n, dh))
+    out[(*at, "o")] = (
+      pre + "self_attn.o_proj.weight",
+      (d, h * dh),
+      lambda w: w.T.reshape(h, dh, d),
+    )
+    for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+      out[("blocks", i, "mlp", name)] = (f"{pre}mlp.{name}_proj.weight", shape, lambda w: w.T)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+  """A local directory as is; otherwise a hub repo id, downloaded (config + safetensors only)."""
+  expanded = os.path.expanduser(path)
+  if os.path.isdir(expanded):
+    return expanded
+  if os.path.exists(expanded):
+    raise CheckpointError(f"{path!r} is a file; pass the checkpoint directory")
+  if expanded.startswith((os.sep, ".")) or path.startswith("~") or path.count("/") != 1:
+    raise CheckpointError(f"{path!r} is not a local directory, nor a hub repo id 'org/name'")
+  import huggingface_hub  # only needed for hub ids
+
+  patterns = ["config.json", "*.safetensors", _INDEX_FILE]
+  return huggingface_hub.snapshot_download(repo_id=path, allow_patterns=patterns)
+
+
+def _weight_files(ckpt_dir: str) -> dict[str, str]:
+  """Tensor name -> safetensors file, from the shard index or the single model file."""
+  index_path = os.path.join(ckpt_dir, _INDEX_FILE)
+  if os.path.exists(index_path):
+    with open(index_path) as fp:
+      weight_map = json.load(fp)["weight_map"]
+    return {name: os.path.join(ckpt_dir, file) for name, file in weight_map.items()}
+  single = os.path.join(ckpt_dir, _SINGLE_FILE)
+  if not os.path.exists(single):
+    raise CheckpointError(
+      f"{ckpt_dir} has neither {_SINGLE_FILE} nor {_INDEX_FILE} (found "
+      f"{sorted(os.listdir(ckpt_dir))}); only safetensors checkpoints are supported"
+    )
+  with safe_open(single, framework="flax") as fp:
+    return dict.fromkeys(fp.keys(), single)
+
+
+def _read_tensors(files: dict[str, str], names: list[str]) -> dict[str, jax.Array]:
+  """Reads the named tensors, opening each shard once. framework='flax' keeps bf16 (numpy would
+  reject it with older safetensors, env_probe P10)."""
+  by_file: dict[str, list[str]] = {}
+  for name in names:
+    by_file.setdefault(files[name], []).append(name)
+  out = {}
+  for file, file_names in by_file.items():
+    with safe_open(file, framework="flax") as fp:
+      for name in file_names:
+        out[name] = fp.get_tensor(name)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _check_names(files: Mapping[str, str], needed: list[str], cfg: ModelConfig, where: str) -> None:
+  missing = sorted(set(needed) - set(files))
+  if missing:
+    raise CheckpointError(f"checkpoint {where} is missing tensor(s) {missing}")
+  ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  unexpected = sorted(
+    n for n in set(files) - set(needed) - ignorable if not n.endswith(_IGNORED_SUFFIXES)
+  )
+  if unexpected:
+    raise CheckpointError(
+      f"checkpoint {where} has tensor(s) this decoder has no place for: {unexpected[:8]}"
+      f"{' ...' if len(unexpected) > 8 else ''} (an unsupported feature?)"
+    )
+
+
+def load_weights(ckpt_dir: str, cfg: ModelConfig) -> Decoder:
+  """A Decoder for ``cfg`` whose parameters are the checkpoint's tensors (no random init)."""
+  files = _weight_files(ckpt_dir)
+  mapping = _tensor_map(cfg)
+  _check_names(files, [hf for hf, _, _ in mapping.values()], cfg, ckpt_dir)
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  flat = list(nnx.to_flat_state(state))
+  unmapped = sorted(str(path) for path, _ in flat if path not in mapping)
+  if unmapped:  # a Decoder parameter the mapping forgot: a bug here, not in the checkpoint
+    raise AssertionError(f"hf_import has no checkpoint tensor for parameters {unmapped}")
+  tensors = _read_tensors(files, [mapping[path][0] for path, _ in flat])
+  for path, var in flat:
+    hf_name, hf_shape, convert = mapping[path]
+    w = tensors.pop(hf_name)
+    if tuple(w.shape) != hf_shape:
+      raise CheckpointError(
+        f"tensor {hf_name} in {ckpt_dir} has shape {tuple(w.shape)}; config.json implies {hf_shape}"
+      )
+    value = convert(w.astype(cfg.param_dtype.jnp))
+    if value.shape != var.get_value().shape:  # a bug in the mapping
+      raise AssertionError(
+        f"{hf_name} converts to {value.shape}, {path} is {var.get_value().shape}"
+      )
+    var.set_value(value)
+  return nnx.merge(graphdef, state)
+
+
+def from_pretrained(
+  path: str, *, dtype: str = "float32", vocab_multiple: int = 128
+) -> tuple[ModelConfig, Decoder]:
+  """(ModelConfig, Decoder) of a HF checkpoint: a local directory or a hub repo id.
+
+  ``dtype`` ("float32" | "bfloat16") is both the parameter and the compute dtype; a bf16
+  checkpoint loaded as float32 is upcast exactly.
+  """
+  ckpt_dir = resolve_checkpoint_dir(path)
+  config_path = os.path.join(ckpt_dir, "config.json")
+  if not os.path.exists(config_path):
+    raise CheckpointError(f"{ckpt_dir} has no config.json")
+  with open(config_path) as fp:
+    hf = json.load(fp)
+  cfg = model_config_from_hf(hf, vocab_multiple, dtype=dtype)
+  return cfg, load_weights(ckpt_dir, cfg)

@@ -1,0 +1,105 @@
+"""The KV cache of the decoder: per-row slots filled in time order, plus the attention mask.
+
+Data flow: the sampler creates a cache with ``init_cache`` and threads it through
+``Decoder.hidden`` (prefill, then one token per decode step, then the next turn's chunk). Each call
+writes its T new tokens at slots ``end_B .. end_B + T - 1`` of every row, so rows with different
+fill levels (multi-turn continuation) are appended to independently. Slot order is time order; the
+RoPE positions are the caller's, so left and right padding both work (padding slots are simply
+never valid).
+
+Everything here has static shapes and no Python control flow on values: it runs inside jit.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from earl_jax.config_lib import ModelConfig
+from earl_jax.types import BATCH, CACHE_SEQ, HEAD_DIM, KV_HEADS, LAYERS
+
+# Logical axes of KVCache.k / KVCache.v, for the parallel layer to shard the cache.
+CACHE_KV_AXES: tuple[str, ...] = (LAYERS, BATCH, CACHE_SEQ, KV_HEADS, HEAD_DIM)
+CACHE_VALID_AXES: tuple[str, ...] = (BATCH, CACHE_SEQ)
+CACHE_END_AXES: tuple[str, ...] = (BATCH,)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys/values of every layer, [L, B, S, K, Dh]; ``valid_BxS`` marks slots holding real tokens
+  and ``end_B`` (int32) is the next slot each row writes to."""
+
+  k: jax.Array
+  v: jax.Array
+  valid_BxS: jax.Array
+  end_B: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+
+def cache_partition_specs() -> KVCache:
+  """PartitionSpecs of logical names for every KVCache field (as ``nnx.get_partition_spec`` gives
+  for parameters), for the parallel layer to map to mesh axes."""
+  kv = PartitionSpec(*CACHE_KV_AXES)
+  return KVCache(
+    k=kv, v=kv, valid_BxS=PartitionSpec(*CACHE_VALID_AXES), end_B=PartitionSpec(*CACHE_END_AXES)
+  )
+
+
+def init_cache(
+  cfg: ModelConfig, batch_size: int, max_len: int, dtype: jnp.dtype | str | None = None
+) -> KVCache:
+  """An empty cache with ``max_len`` slots per row; ``dtype`` defaults to the compute dtype."""
+  if batch_size < 1 or max_len < 1:
+    raise ValueError(
+      f"init_cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}"
+    )
+  dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype.jnp
+  shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return KVCache(
+    k=jnp.zeros(shape, dtype),
+    v=jnp.zeros(shape, dtype),
+    valid_BxS=jnp.zeros((batch_size, max_len), jnp.bool_),
+    end_B=jnp.zeros((batch_size,), jnp.int32),
+  )
+
+
+def write_slots(cache: KVCache, num_new: int) -> jax.Array:
+  """Slots [B, T] the next ``num_new`` tokens of each row go to."""
+  return cache.end_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+
+
+def _row_index(slots_BxT: jax.Array) -> jax.Array:
+  return jnp.broadcast_to(jnp.arange(slots_BxT.shape[0], dtype=jnp.int32)[:, None], slots_BxT.shape)
+
+
+def mark_written(cache: KVCache, slots_BxT: jax.Array, mask_BxT: jax.Array) -> KVCache:
+  """Validity of the new slots set from ``mask_BxT``; ``end_B`` advanced by T.
+
+  Tokens past the last slot are dropped (static shapes cannot grow): callers must size the
+  cache for the whole episode, as ``rl/rollout.py`` does.
+  """
+  rows_BxT = _row_index(slots_BxT)
+  valid_BxS = cache.valid_BxS.at[rows_BxT, slots_BxT].set(mask_BxT, mode="drop")
+  return cache.replace(valid_BxS=valid_BxS, end_B=cache.end_B + slots_BxT.shape[1])
+
+
+def write_layer(
+  kv_LxBxSxKxDh: jax.Array, layer: int, slots_BxT: jax.Array, new_BxTxKxDh: jax.Array
+) -> jax.Array:
+  """Scatters one layer's new keys (or values) into the stacked cache, in place under donation."""
+  rows_BxT = _row_index(slots_BxT)
+  new_BxTxKxDh = new_BxTxKxDh.astype(kv_LxBxSxKxDh.dtype)
+  return kv_LxBxSxKxDh.at[layer, rows_BxT, slots_BxT].set(new_BxTxKxDh, mode="drop")
+
+
+def attention_mask(query_slots_BxT: jax.Array, key_valid_BxS: jax.Array) -> jax.Array:
+  """[B, T, S]: a query sees the valid keys at slots up to and including its own."""
+  s = key_valid_BxS.shape[1]
+  key_slots_1x1xS = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+  causal_BxTxS = key_slots_1x1xS <= query_slots_BxT[:, :, None]
+  return causal_BxTxS & key_valid_BxS[:, None, :]

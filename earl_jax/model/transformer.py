@@ -1,0 +1,218 @@
+"""The policy/reference decoder (Llama/Qwen2 family) as one Flax NNX module.
+
+Data flow: the sampler (rollout stage) calls ``Decoder.hidden`` + ``Decoder.project`` with a KV
+cache inside its jitted decode loop; the reference and update stages call ``hidden`` without a
+cache and project the hidden states chunk by chunk (never materialising [B, T, V] at once).
+``hf_import.from_pretrained`` fills a Decoder with HF checkpoint weights.
+
+Logits always come out in float32 (the lm-head matmul accumulates in f32) with ``padded_vocab_size``
+columns; the padding columns hold ``PAD_LOGIT`` so sampling and log-softmax never pick them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from earl_jax.config_lib import ModelConfig
+from earl_jax.model import kv_cache
+from earl_jax.model.kv_cache import KVCache
+from earl_jax.model.layers import (
+  Attention,
+  RMSNorm,
+  SwiGLU,
+  attend,
+  normal_init,
+  param,
+  rope_inv_freq,
+  rope_tables,
+)
+from earl_jax.types import EMBED, VOCAB
+
+# Finite (not -inf): exp() underflows to exactly 0, while p * log p and differences stay finite,
+# so entropies and KL terms over the padded vocabulary never become NaN.
+PAD_LOGIT = -1e9
+
+REMAT_POLICIES = {
+  "full": None,  # save nothing inside a block: recompute it all in the backward pass
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+}
+_KV = tuple[jax.Array, jax.Array]
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pdt = cfg.param_dtype.jnp
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, param_dtype=pdt)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, param_dtype=pdt)
+    self.mlp = SwiGLU(cfg, rngs=rngs)
+
+  def __call__(
+    self,
+    x_BxTxD: jax.Array,
+    rope_BxTxDh: tuple[jax.Array, jax.Array],
+    allowed_BxTxS: jax.Array,
+    kv: _KV | None,
+    slots_BxT: jax.Array,
+    layer: int,
+  ) -> tuple[jax.Array, _KV | None]:
+    """Without a cache the keys are the T new tokens; with one (``kv`` = the stacked cache
+    arrays) the new keys are written at ``slots_BxT`` of ``layer`` and all S slots are read."""
+    q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self.attn.qkv(self.attn_norm(x_BxTxD), *rope_BxTxDh)
+    if kv is None:
+      keys_BxSxKxDh, values_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+    else:
+      k_cache = kv_cache.write_layer(kv[0], layer, slots_BxT, k_BxTxKxDh)
+      v_cache = kv_cache.write_layer(kv[1], layer, slots_BxT, v_BxTxKxDh)
+      kv = (k_cache, v_cache)
+      keys_BxSxKxDh = k_cache[layer].astype(q_BxTxHxDh.dtype)
+      values_BxSxKxDh = v_cache[layer].astype(q_BxTxHxDh.dtype)
+    attn_BxTxHxDh = attend(q_BxTxHxDh, keys_BxSxKxDh, values_BxSxKxDh, allowed_BxTxS)
+    x_BxTxD = x_BxTxD + self.attn.out(attn_BxTxHxDh)
+    x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+    return x_BxTxD, kv
+
+
+def _run_block(block: Block, remat: str, layer: int, *args) -> tuple[jax.Array, _KV | None]:
+  """Calls one block, under jax.checkpoint when ``remat`` asks for it.
+
+  The block is split into (graphdef, state) and merged inside the checkpointed function, so the
+  remat works whether the module was created inside the trace or closed over from outside.
+  """
+  if remat == "none":
+    return block(*args, layer=layer)
+  graphdef, state = nnx.split(block)
+
+  def fn(state: nnx.State, *args) -> tuple[jax.Array, _KV | None]:
+    return nnx.merge(graphdef, state)(*args, layer=layer)
+
+  return jax.checkpoint(fn, policy=REMAT_POLICIES[remat])(state, *args)
+
+
+class Decoder(nnx.Module):
+  """Token embedding, ``num_layers`` Blocks, final RMSNorm, output projection (tied or not)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt, vp, d = cfg.param_dtype.jnp, cfg.padded_vocab_size, cfg.embed_dim
+    self.embed = param(normal_init(rngs, (vp, d), pdt), VOCAB, EMBED)
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=pdt)
+    self.lm_head = (
+      None if cfg.tie_embeddings else param(normal_init(rngs, (d, vp), pdt), EMBED, VOCAB)
+    )
+
+  def _check_inputs(
+    self, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_BxT: jax.Array, remat: str
+  ) -> None:
+    if remat not in ("none", *REMAT_POLICIES):
+      raise ValueError(f"remat={remat!r}; allowed: 'none', {', '.join(map(repr, REMAT_POLICIES))}")
+    for name, arr in (("positions_BxT", positions_BxT), ("mask_BxT", mask_BxT)):
+      if arr.shape != tokens_BxT.shape:
+        raise ValueError(
+          f"{name} has shape {arr.shape}; it must match tokens_BxT {tokens_BxT.shape}"
+        )
+
+  def hidden(
+    self,
+    tokens_BxT: jax.Array,
+    positions_BxT: jax.Array,
+    *,
+    mask_BxT: jax.Array,
+    cache: KVCache | None = None,
+    remat: str = "none",
+  ) -> tuple[jax.Array, KVCache | None]:
+    """Final-normed hidden states [B, T, D] (compute dtype) and the updated cache.
+
+    Without a cache, token t attends to the valid tokens <= t of its row. With a cache, the T
+    tokens are appended at slots ``end_B ..`` of each row (valid where ``mask_BxT``), ``end_B``
+    advances by T, and each token attends to the valid slots <= its own. ``positions_BxT`` are
+    the RoPE positions, independent of slots. ``remat`` ("none" | "full" | "dots") is static.
+    """
+    self._check_inputs(tokens_BxT, positions_BxT, mask_BxT, remat)
+    cfg, t = self.cfg, tokens_BxT.shape[1]
+    x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype.jnp)
+    rope_BxTxDh = rope_tables(positions_BxT, rope_inv_freq(cfg.rope, cfg.head_dim))
+    mask_BxT = mask_BxT.astype(jnp.bool_)
+    if cache is None:
+      slots_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], tokens_BxT.shape)
+      allowed_BxTxS = kv_cache.attention_mask(slots_BxT, mask_BxT)
+      kv = None
+    else:
+      slots_BxT = kv_cache.write_slots(cache, t)
+      cache = kv_cache.mark_written(cache, slots_BxT, mask_BxT)
+      allowed_BxTxS = kv_cache.attention_mask(slots_BxT, cache.valid_BxS)
+      kv = (cache.k, cache.v)
+    for layer, block in enumerate(self.blocks):
+      x_BxTxD, kv = _run_block(
+        block, remat, layer, x_BxTxD, rope_BxTxDh, allowed_BxTxS, kv, slots_BxT
+      )
+    if cache is not None:
+      cache = cache.replace(k=kv[0], v=kv[1])
+    return self.final_norm(x_BxTxD), cache
+
+  def project(self, h_BxTxD: jax.Array) -> jax.Array:
+    """Logits [B, T, padded_vocab_size] in float32; padding columns are ``PAD_LOGIT``."""
+    cfg = self.cfg
+    h_BxTxD = h_BxTxD.astype(cfg.compute_dtype.jnp)
+    if self.lm_head is None:
+      w_VxD = self.embed[...].astype(h_BxTxD.dtype)
+      logits_BxTxV = jnp.einsum("btd,vd->btv", h_BxTxD, w_VxD, preferred_element_type=jnp.float32)
+    else:
+      w_DxV = self.lm_head[...].astype(h_BxTxD.dtype)
+      logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, w_DxV, preferred_element_type=jnp.float32)
+    real_1x1xV = (jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size)[None, None, :]
+    return jnp.where(real_1x1xV, logits_BxTxV, PAD_LOGIT)
+
+  def __call__(
+    self,
+    tokens_BxT: jax.Array,
+    positions_BxT: jax.Array,
+    *,
+    mask_BxT: jax.Array,
+    cache: KVCache | None = None,
+    remat: str = "none",
+  ) -> tuple[jax.Array, KVCache | None]:
+    """``project(hidden(...))``: (logits [B, T, padded_vocab_size] float32, cache)."""
+    h_BxTxD, cache = self.hidden(
+      tokens_BxT, positions_BxT, mask_BxT=mask_BxT, cache=cache, remat=remat
+    )
+    return self.project(h_BxTxD), cache
+
+
+def logits(model: Decoder, tokens_BxT: jax.Array) -> jax.Array:
+  """Full causal forward without cache (positions 0..T-1, every token valid): [B, T, vocab_size]."""
+  b, t = tokens_BxT.shape
+  positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+  mask_BxT = jnp.ones((b, t), jnp.bool_)
+  out_BxTxVp, _ = model(tokens_BxT, positions_BxT, mask_BxT=mask_BxT)
+  return out_BxTxVp[..., : model.cfg.vocab_size]
+
+
+def prefill(
+  model: Decoder,
+  cache: KVCache,
+  tokens_BxT: jax.Array,
+  positions_BxT: jax.Array,
+  mask_BxT: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+  """Appends a chunk to every row of the cache: (logits [B, T, padded_vocab_size], cache)."""
+  return model(tokens_BxT, positions_BxT, mask_BxT=mask_BxT, cache=cache)
+
+
+def decode_step(
+  model: Decoder,
+  cache: KVCache,
+  token_B: jax.Array,
+  position_B: jax.Array,
+  active_B: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+  """One token per row (written as valid where ``active_B``): (logits [B, padded_vocab], cache)."""
+  logits_Bx1xV, cache = model(
+    token_B[:, None], position_B[:, None], mask_BxT=active_B[:, None], cache=cache
+  )
+  return logits_Bx1xV[:, 0], cache
