@@ -195,3 +195,19 @@ def test_not_a_directory_nor_repo_id(tmp_path):
     from_pretrained(str(tmp_path / "nope"))
   with pytest.raises(ConfigError, match="'dtype' has value 'float16'"):
     model_config_from_hf({**_BASE, "model_type": "llama"}, dtype="float16")
+
+
+def test_hub_repo_id_goes_through_snapshot_download(tmp_path, monkeypatch):
+  import huggingface_hub
+
+  _save_hf(tmp_path, "qwen2")
+  calls = []
+
+  def fake_download(repo_id: str, allow_patterns: list[str]) -> str:
+    calls.append((repo_id, allow_patterns))
+    return str(tmp_path)
+
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+  cfg, _ = from_pretrained("Qwen/Qwen2-Tiny-Test")
+  assert cfg.vocab_size == _VOCAB
+  assert calls[0][0] == "Qwen/Qwen2-Tiny-Test" and "*.safetensors" in calls[0][1]

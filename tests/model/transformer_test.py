@@ -1,0 +1,162 @@
+"""The decoder on its own: causality, parameter axes, remat, dtypes, RoPE against HF."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from earl_jax.config_lib import ModelConfig, RopeConfig, RopeType
+from earl_jax.model import PAD_LOGIT, Decoder, logits
+from earl_jax.model.layers import rope_inv_freq
+from earl_jax.types import DType
+
+_CFG = ModelConfig(
+  vocab_size=53,
+  embed_dim=24,
+  mlp_dim=40,
+  num_layers=2,
+  num_heads=6,
+  num_kv_heads=3,
+  head_dim=6,
+  qkv_bias=True,
+  vocab_multiple=16,
+)
+
+
+def _randomized(cfg: ModelConfig, seed: int = 0) -> Decoder:
+  model = Decoder(cfg, rngs=nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  for _, var in nnx.to_flat_state(nnx.state(model)):
+    value = var.get_value()
+    var.set_value(jnp.asarray(rng.normal(0.0, 0.4, value.shape), value.dtype))
+  return model
+
+
+def _tokens(b: int = 2, t: int = 9, seed: int = 3) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, _CFG.vocab_size, (b, t)).astype(np.int32)
+
+
+def test_causal_future_token_changes_only_later_logits():
+  model = _randomized(_CFG)
+  tokens = _tokens()
+  changed = tokens.copy()
+  changed[:, 5] = (changed[:, 5] + 1) % _CFG.vocab_size
+  full = jax.jit(logits)
+  before, after = np.asarray(full(model, tokens)), np.asarray(full(model, changed))
+  np.testing.assert_allclose(before[:, :5], after[:, :5], atol=1e-6, rtol=0)
+  assert np.all(np.abs(before[:, 5:] - after[:, 5:]).max(axis=-1) > 1e-3)
+
+
+def test_logits_shapes_and_padded_vocab():
+  model = _randomized(_CFG)
+  tokens = _tokens()
+  assert logits(model, tokens).shape == (2, 9, 53)
+  out, _ = model(tokens, np.zeros((2, 9), np.int32), mask_BxT=np.ones((2, 9), bool))
+  assert out.shape == (2, 9, 64) and out.dtype == jnp.float32
+  np.testing.assert_array_equal(out[..., 53:], PAD_LOGIT)
+  assert np.all(jnp.argmax(out, axis=-1) < 53)
+  assert np.all(jax.nn.softmax(out, axis=-1)[..., 53:] == 0.0)
+
+
+@pytest.mark.parametrize(("tie", "bias"), [(False, True), (True, False)])
+def test_parameter_logical_axes_and_count(tie, bias):
+  cfg = dataclasses.replace(_CFG, tie_embeddings=tie, qkv_bias=bias)
+  state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+  specs = {path: spec for path, spec in nnx.to_flat_state(nnx.get_partition_spec(state))}
+  block = ("blocks", 1)
+  expected = {
+    ("embed",): P("vocab", "embed"),
+    ("final_norm", "scale"): P("norm"),
+    (*block, "attn_norm", "scale"): P("norm"),
+    (*block, "attn", "q"): P("embed", "heads", "head_dim"),
+    (*block, "attn", "k"): P("embed", "kv_heads", "head_dim"),
+    (*block, "attn", "o"): P("heads", "head_dim", "embed"),
+    (*block, "mlp", "gate"): P("embed", "mlp"),
+    (*block, "mlp", "down"): P("mlp", "embed"),
+  }
+  if not tie:
+    expected[("lm_head",)] = P("embed", "vocab")
+  if bias:
+    expected[(*block, "attn", "v_bias")] = P("kv_heads", "head_dim")
+  for path, spec in expected.items():
+    assert specs[path].get_value() == spec, path
+  assert (("lm_head",) in specs) == (not tie)
+  assert ((*block, "attn", "q_bias") in specs) == bias
+  assert all(len(s.get_value()) >= 1 for s in specs.values())  # every parameter is named
+  count = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(state))
+  assert count == cfg.num_params
+
+
+def test_remat_policies_same_values_and_gradients():
+  model = _randomized(_CFG)
+  tokens = _tokens()
+  pos = np.broadcast_to(np.arange(9, dtype=np.int32), (2, 9))
+  mask = np.ones((2, 9), bool)
+  graphdef, state = nnx.split(model)
+
+  def loss(state: nnx.State, remat: str) -> jax.Array:
+    h, _ = nnx.merge(graphdef, state).hidden(tokens, pos, mask_BxT=mask, remat=remat)
+    return jnp.sum(jnp.square(h))
+
+  grad_fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  ref_value, ref_grad = grad_fn(state, "none")
+  for remat in ("full", "dots"):
+    value, grad = grad_fn(state, remat)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), grad, ref_grad
+    )
+  with pytest.raises(ValueError, match="remat='some'"):
+    model.hidden(tokens, pos, mask_BxT=mask, remat="some")
+
+
+def test_input_shape_errors():
+  model = _randomized(_CFG)
+  with pytest.raises(ValueError, match=r"positions_BxT has shape \(2, 8\)"):
+    model.hidden(_tokens(), np.zeros((2, 8), np.int32), mask_BxT=np.ones((2, 9), bool))
+
+
+def test_bf16_compute_close_to_f32():
+  model = _randomized(_CFG)
+  bf16_cfg = dataclasses.replace(_CFG, compute_dtype=DType.BFLOAT16)
+  graphdef_bf16, _ = nnx.split(nnx.eval_shape(lambda: Decoder(bf16_cfg, rngs=nnx.Rngs(0))))
+  model_bf16 = nnx.merge(graphdef_bf16, nnx.state(model))
+  h, _ = model_bf16.hidden(_tokens(), np.zeros((2, 9), np.int32), mask_BxT=np.ones((2, 9), bool))
+  assert h.dtype == jnp.bfloat16
+  ours, ref = np.asarray(logits(model_bf16, _tokens())), np.asarray(logits(model, _tokens()))
+  assert ours.dtype == np.float32
+  err = np.abs(ours - ref).max()
+  assert 0 < err < 0.1 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_llama3_inv_freq_matches_transformers(head_dim):
+  rope = RopeConfig(
+    theta=500000.0,
+    type=RopeType.LLAMA3,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+  )
+  hf_cfg = transformers.LlamaConfig(
+    hidden_size=head_dim * 2,
+    num_attention_heads=2,
+    max_position_embeddings=131072,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    | {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+  )
+  hf_inv_freq, scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+  assert scaling == 1.0
+  ours = rope_inv_freq(rope, head_dim)
+  np.testing.assert_allclose(ours, hf_inv_freq.numpy(), rtol=1e-6, atol=0)
+  plain = rope_inv_freq(RopeConfig(theta=500000.0), head_dim)
+  assert np.abs(ours - plain).max() > 1e-4  # the scaling is really applied
