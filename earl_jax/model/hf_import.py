@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -220,18 +220,17 @@ def _weight_files(ckpt_dir: str) -> dict[str, str]:
     return dict.fromkeys(fp.keys(), single)
 
 
-def _read_tensors(files: dict[str, str], names: list[str]) -> dict[str, jax.Array]:
-  """Reads the named tensors, opening each shard once. framework='flax' keeps bf16 (numpy would
-  reject it with older safetensors, env_probe P10)."""
+def _read_by_file(files: dict[str, str], names: list[str]) -> Iterator[tuple[str, jax.Array]]:
+  """Yields (name, tensor), opening each shard once and holding one raw tensor at a time, so peak
+  host memory is the converted model plus one tensor. framework='flax' keeps bf16 (numpy rejects
+  it with older safetensors, env_probe P10)."""
   by_file: dict[str, list[str]] = {}
   for name in names:
     by_file.setdefault(files[name], []).append(name)
-  out = {}
   for file, file_names in by_file.items():
     with safe_open(file, framework="flax") as fp:
       for name in file_names:
-        out[name] = fp.get_tensor(name)
-  return out
+        yield name, fp.get_tensor(name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,10 +263,10 @@ def load_weights(ckpt_dir: str, cfg: ModelConfig) -> Decoder:
   unmapped = sorted(str(path) for path, _ in flat if path not in mapping)
   if unmapped:  # a Decoder parameter the mapping forgot: a bug here, not in the checkpoint
     raise AssertionError(f"hf_import has no checkpoint tensor for parameters {unmapped}")
-  tensors = _read_tensors(files, [mapping[path][0] for path, _ in flat])
-  for path, var in flat:
-    hf_name, hf_shape, convert = mapping[path]
-    w = tensors.pop(hf_name)
+  variables = {mapping[path][0]: (path, var) for path, var in flat}
+  for hf_name, w in _read_by_file(files, list(variables)):
+    path, var = variables[hf_name]
+    hf_shape, convert = mapping[path][1:]
     if tuple(w.shape) != hf_shape:
       raise CheckpointError(
         f"tensor {hf_name} in {ckpt_dir} has shape {tuple(w.shape)}; config.json implies {hf_shape}"
