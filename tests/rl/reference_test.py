@@ -1,0 +1,112 @@
+"""Chunked reference log-probs: equal to unchunked ones; memory linear in T at a fixed chunk."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from earl_jax import model as model_lib
+from earl_jax.config_lib import ModelConfig
+from earl_jax.rl import reference
+
+CFG = ModelConfig(
+  vocab_size=61, embed_dim=24, mlp_dim=40, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=12,
+  vocab_multiple=8,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+  return model_lib.Decoder(CFG, rngs=nnx.Rngs(1))
+
+
+def _batch(lengths, t, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, CFG.vocab_size, size=(len(lengths), t)).astype(np.int32)
+  valid = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
+  positions = (np.broadcast_to(np.arange(t), tokens.shape) * valid).astype(np.int32)
+  return jnp.asarray(np.where(valid, tokens, 0)), jnp.asarray(positions), jnp.asarray(valid)
+
+
+def test_chunked_equals_unchunked_and_direct_log_softmax(model):
+  tokens, positions, valid = _batch([16, 9, 1, 13], 16)
+  logps = {}
+  for chunk in (16, 8, 4, 1):
+    logps[chunk], entropy = reference.token_logps(model, tokens, positions, valid, chunk_size=chunk)
+    np.testing.assert_allclose(logps[chunk], logps[16], atol=1e-6)
+  full = jax.nn.log_softmax(model_lib.logits(model, tokens), axis=-1)
+  want = np.zeros(tokens.shape, np.float32)
+  ent = np.zeros(tokens.shape, np.float32)
+  for b in range(tokens.shape[0]):
+    for t in range(1, int(valid[b].sum())):
+      want[b, t] = full[b, t - 1, tokens[b, t]]
+      p = np.exp(np.asarray(full[b, t - 1]))
+      ent[b, t] = -(p * np.log(p)).sum()
+  np.testing.assert_allclose(logps[4], want, atol=2e-5)
+  np.testing.assert_allclose(entropy, ent, atol=2e-4)
+  assert (np.asarray(logps[4])[~np.asarray(valid)] == 0).all()
+
+
+def test_temperature_scales_logits(model):
+  tokens, positions, valid = _batch([12, 12], 12, seed=1)
+  hot, _ = reference.token_logps(model, tokens, positions, valid, chunk_size=4, temperature=2.0)
+  full = jax.nn.log_softmax(model_lib.logits(model, tokens) / 2.0, axis=-1)
+  want = jnp.take_along_axis(full[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+  np.testing.assert_allclose(hot[:, 1:], want, atol=2e-5)
+
+
+def test_gradients_flow_through_chunks(model):
+  tokens, positions, valid = _batch([8, 5], 8, seed=2)
+  graphdef, state = nnx.split(model)
+
+  def loss(state, chunk):
+    m = nnx.merge(graphdef, state)
+    return reference.token_logps(m, tokens, positions, valid, chunk_size=chunk)[0].sum()
+
+  g8 = jax.grad(loss)(state, 8)
+  g2 = jax.grad(loss)(state, 2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g8, g2)
+
+
+def test_rejects_length_not_multiple_of_chunk(model):
+  tokens, positions, valid = _batch([5], 6)
+  with pytest.raises(ValueError, match="multiple of chunk_size=4"):
+    reference.token_logps(model, tokens, positions, valid, chunk_size=4)
+
+
+def _peak_bytes(t: int, chunk: int, vocab: int) -> int:
+  cfg = ModelConfig(
+    vocab_size=vocab, embed_dim=16, mlp_dim=16, num_layers=1, num_heads=1, num_kv_heads=1,
+    head_dim=16, vocab_multiple=128,
+  )  # fmt: skip
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Decoder(cfg, rngs=nnx.Rngs(0))))
+
+  def fn(state, tokens, positions, valid):
+    return reference.token_logps(
+      nnx.merge(graphdef, state), tokens, positions, valid, chunk_size=chunk
+    )
+
+  sds = jax.ShapeDtypeStruct
+  args = (sds((1, t), jnp.int32), sds((1, t), jnp.int32), sds((1, t), jnp.bool_))
+  mem = jax.jit(fn).lower(state, *args).compile().memory_analysis()
+  # On CPU peak_memory_in_bytes leaves out temporaries (env_probe.md section 2).
+  return (
+    mem.argument_size_in_bytes
+    + mem.output_size_in_bytes
+    + mem.temp_size_in_bytes
+    - mem.alias_size_in_bytes
+  )
+
+
+def test_peak_memory_grows_linearly_not_with_t_times_v():
+  vocab, chunk = 8192, 32
+  row = vocab * 4  # bytes that one more token adds to an unchunked [T, V] f32 logits tensor
+  peaks = {t: _peak_bytes(t, chunk, vocab) for t in (128, 256, 512)}
+  per_token = {t: (peaks[t] - peaks[128]) / (t - 128) for t in (256, 512)}
+  # Fixed chunk: each extra token costs its activations (~D floats), not a row of logits.
+  assert per_token[512] < row / 8, (peaks, per_token)
+  assert peaks[512] - peaks[256] < 2.5 * (peaks[256] - peaks[128]) + row, peaks
+  # The unchunked program does hold [T, V] (so the bound above can fail).
+  unchunked = (_peak_bytes(512, 512, vocab) - _peak_bytes(128, 128, vocab)) / (512 - 128)
+  assert unchunked >= row, unchunked
