@@ -2,10 +2,11 @@
 
 Data flow: the sampler creates a cache with ``init_cache`` and threads it through
 ``Decoder.hidden`` (prefill, then one token per decode step, then the next turn's chunk). Each call
-writes its T new tokens at slots ``end_B .. end_B + T - 1`` of every row, so rows with different
-fill levels (multi-turn continuation) are appended to independently. Slot order is time order; the
-RoPE positions are the caller's, so left and right padding both work (padding slots are simply
-never valid).
+appends the *valid* tokens of its chunk, in order, at slots ``end_B, end_B + 1, ...`` of every row
+and advances ``end_B`` by their count; padding tokens get no slot. So rows with different fill
+levels (multi-turn continuation) are appended to independently, a row that has stopped decoding
+consumes no slots, and every row's cache stays compact: slots ``[0, end_B)`` are exactly its
+context. The RoPE positions are the caller's, so left, right or interior padding all work.
 
 Everything here has static shapes and no Python control flow on values: it runs inside jit.
 """
@@ -68,9 +69,14 @@ def init_cache(
   )
 
 
-def write_slots(cache: KVCache, num_new: int) -> jax.Array:
-  """Slots [B, T] the next ``num_new`` tokens of each row go to."""
-  return cache.end_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+def write_slots(cache: KVCache, mask_BxT: jax.Array) -> jax.Array:
+  """Slots [B, T] of a chunk's tokens: valid tokens in order from ``end_B``; padding gets slot S.
+
+  Slot S is past the end, so scatters with ``mode="drop"`` discard padding, and as a query a
+  padding token sees every valid key (its output is never used).
+  """
+  rank_BxT = jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1
+  return jnp.where(mask_BxT, cache.end_B[:, None] + rank_BxT, cache.max_len).astype(jnp.int32)
 
 
 def _row_index(slots_BxT: jax.Array) -> jax.Array:
@@ -78,14 +84,15 @@ def _row_index(slots_BxT: jax.Array) -> jax.Array:
 
 
 def mark_written(cache: KVCache, slots_BxT: jax.Array, mask_BxT: jax.Array) -> KVCache:
-  """Validity of the new slots set from ``mask_BxT``; ``end_B`` advanced by T.
+  """The valid tokens' slots marked valid; ``end_B`` advanced by the number of valid tokens.
 
   Tokens past the last slot are dropped (static shapes cannot grow): callers must size the
-  cache for the whole episode, as ``rl/rollout.py`` does.
+  cache for the whole episode, as ``rl/rollout.py`` does (``end_B > max_len`` shows an overflow).
   """
   rows_BxT = _row_index(slots_BxT)
   valid_BxS = cache.valid_BxS.at[rows_BxT, slots_BxT].set(mask_BxT, mode="drop")
-  return cache.replace(valid_BxS=valid_BxS, end_B=cache.end_B + slots_BxT.shape[1])
+  added_B = jnp.sum(mask_BxT, axis=1, dtype=jnp.int32)
+  return cache.replace(valid_BxS=valid_BxS, end_B=cache.end_B + added_B)
 
 
 def write_layer(

@@ -128,10 +128,10 @@ class Decoder(nnx.Module):
   ) -> tuple[jax.Array, KVCache | None]:
     """Final-normed hidden states [B, T, D] (compute dtype) and the updated cache.
 
-    Without a cache, token t attends to the valid tokens <= t of its row. With a cache, the T
-    tokens are appended at slots ``end_B ..`` of each row (valid where ``mask_BxT``), ``end_B``
-    advances by T, and each token attends to the valid slots <= its own. ``positions_BxT`` are
-    the RoPE positions, independent of slots. ``remat`` ("none" | "full" | "dots") is static.
+    Without a cache, token t attends to the valid tokens <= t of its row. With a cache, the
+    valid tokens (``mask_BxT``) are appended in order at slots ``end_B ..`` of each row, ``end_B``
+    advances by their count, and each token attends to the valid slots <= its own.
+    ``positions_BxT`` are the RoPE positions. ``remat`` ("none" | "full" | "dots") is static.
     """
     self._check_inputs(tokens_BxT, positions_BxT, mask_BxT, remat)
     cfg, t = self.cfg, tokens_BxT.shape[1]
@@ -143,7 +143,7 @@ class Decoder(nnx.Module):
       allowed_BxTxS = kv_cache.attention_mask(slots_BxT, mask_BxT)
       kv = None
     else:
-      slots_BxT = kv_cache.write_slots(cache, t)
+      slots_BxT = kv_cache.write_slots(cache, mask_BxT)
       cache = kv_cache.mark_written(cache, slots_BxT, mask_BxT)
       allowed_BxTxS = kv_cache.attention_mask(slots_BxT, cache.valid_BxS)
       kv = (cache.k, cache.v)

@@ -73,7 +73,8 @@ def test_prefill_then_decode_matches_full_forward(model, sequences, left):
     out_BxV, cache = step(model, cache, token_B, pos_B, np.ones(len(seqs), bool))
     for i, n in enumerate(_LENGTHS):
       np.testing.assert_allclose(out_BxV[i, : _CFG.vocab_size], full[i][n + g], atol=1e-5, rtol=0)
-  np.testing.assert_array_equal(cache.end_B, _P + _GEN)
+  # Padding takes no slot: each row holds exactly its tokens, compactly.
+  np.testing.assert_array_equal(cache.end_B, np.array(_LENGTHS) + _GEN)
   np.testing.assert_array_equal(cache.valid_BxS.sum(axis=1), np.array(_LENGTHS) + _GEN)
 
 
@@ -108,8 +109,10 @@ def test_chunked_continuation_rows_with_different_end(model, sequences):
     np.testing.assert_allclose(
       out[i, mask[i], : _CFG.vocab_size], full[i][n : n + _GEN], atol=1e-5, rtol=0
     )
-  np.testing.assert_array_equal(cache.end_B, np.array(_LENGTHS) + w)
-  np.testing.assert_array_equal(cache.valid_BxS[0, _LENGTHS[0] : _LENGTHS[0] + w], layouts[0])
+  # Only the valid tokens take slots, in order: every row stays compact.
+  np.testing.assert_array_equal(cache.end_B, np.array(_LENGTHS) + _GEN)
+  for i, n in enumerate(_LENGTHS):
+    np.testing.assert_array_equal(cache.valid_BxS[i], np.arange(cache.max_len) < n + _GEN)
 
 
 def test_padded_full_forward_matches_unpadded(model, sequences):

@@ -71,8 +71,10 @@ def test_stop_rows_end_and_are_masked(model):
   first = [int(t) for t in free.tokens_BxN[0]]
   stop = first[2]  # row 0 emits this at step 2 under greedy decoding
   spec = engine.GenerationSpec.with_stop_ids((stop,), max_new_tokens=8, pad_id=0)
-  out, _ = _run(model, spec, rows)
+  out, cache = _run(model, spec, rows)
   k = first.index(stop)
+  # A stopped row consumes no more cache slots: the cache holds exactly prompt + turn.
+  np.testing.assert_array_equal(cache.end_B, [len(r) for r in rows] + np.asarray(out.lengths_B))
   assert bool(out.stopped_B[0]) and int(out.lengths_B[0]) == k + 1
   np.testing.assert_array_equal(out.mask_BxN[0], np.arange(8) <= k)
   np.testing.assert_array_equal(out.tokens_BxN[0, : k + 1], first[: k + 1])
