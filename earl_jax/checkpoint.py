@@ -1,0 +1,292 @@
+"""Checkpoints of the training loop: a thin wrapper over ``orbax.checkpoint.CheckpointManager``.
+
+Data flow: ``rl.loop`` calls ``Checkpointer.save`` every ``save_every`` steps with the train state
+(params, optimiser state, rng, step, reference params) and a JSON ``meta`` dict (data/env seed
+position, the ParallelPlan as JSON, selector profile table, config, metrics step). ``restore``
+places the arrays directly onto whatever plan the resumed run chose, given an abstract state of
+``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves, so a run may resume on another mesh
+or device count without a host gather of the whole model.
+
+On-disk layout of one step (orbax composite, OCDBT): ``state`` holds the arrays as a *flat* dict
+keyed by the dotted pytree path (``params.layers.0.attn.wq``), so any pytree type (nnx.State,
+optax NamedTuples, dataclasses) saves and restores without orbax knowing the type; ``meta`` holds
+the caller's JSON; ``format`` records which leaves were typed PRNG keys. Typed keys
+(``jax.random.key``) cannot be serialised by orbax, so they are saved as their raw
+``jax.random.key_data`` and rewrapped with ``jax.random.wrap_key_data`` on restore, transparently.
+
+Atomicity comes from orbax: a step is written to a temporary directory and renamed when complete,
+so a run killed mid-save leaves the previous complete step as ``latest_step``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from earl_jax.types import PyTree
+
+_FORMAT_VERSION = 1
+_ITEMS = ("state", "meta", "format")
+
+
+def _path_part(entry: Any) -> str:
+  if isinstance(entry, jax.tree_util.DictKey):
+    return str(entry.key)
+  if isinstance(entry, jax.tree_util.GetAttrKey):
+    return entry.name
+  if isinstance(entry, jax.tree_util.SequenceKey):
+    return str(entry.idx)
+  if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+    return str(entry.key)
+  return str(entry)
+
+
+def _flatten(tree: PyTree) -> tuple[dict[str, Any], Any]:
+  """Flat ``{dotted path: leaf}`` dict and the treedef; raises if two paths collide."""
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  flat: dict[str, Any] = {}
+  for path, leaf in leaves_with_path:
+    name = ".".join(_path_part(p) for p in path) or "_root"
+    if name in flat:
+      raise ValueError(f"two state leaves map to the checkpoint key {name!r}; rename one of them")
+    flat[name] = leaf
+  return flat, treedef
+
+
+def _is_prng_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_abstract(name: str, leaf: Any) -> jax.ShapeDtypeStruct:
+  if isinstance(leaf, jax.Array):
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    if leaf.sharding is None:
+      raise ValueError(
+        f"abstract_state leaf {name!r} has no sharding; build it as "
+        "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))"
+      )
+    return leaf
+  raise TypeError(
+    f"abstract_state leaf {name!r} is a {type(leaf).__name__}; expected jax.ShapeDtypeStruct "
+    "with a sharding (or a jax.Array, whose shape, dtype and sharding are used)"
+  )
+
+
+class Checkpointer:
+  """Saves every ``save_every`` steps (or when forced), keeps the last ``keep``, restores anywhere.
+
+  Saves are asynchronous by default: ``save`` returns once the arrays are copied off the devices
+  (so the caller may donate or overwrite them in the next step) and the files are written in the
+  background; ``wait`` blocks until the last save is on disk. A save at a step that is already on
+  disk (a resumed run reaching its restored step again) is skipped and returns False.
+  """
+
+  def __init__(
+    self,
+    directory: str | pathlib.Path,
+    *,
+    save_every: int,
+    keep: int,
+    async_save: bool = True,
+  ) -> None:
+    self.directory = pathlib.Path(directory).absolute()
+    if self.directory.exists() and not self.directory.is_dir():
+      raise NotADirectoryError(
+        f"checkpoint directory {self.directory} exists and is not a directory; "
+        "pass a directory path (it is created if missing)"
+      )
+    if save_every < 1:
+      raise ValueError(f"save_every must be >= 1, got {save_every}")
+    if keep < 1:
+      raise ValueError(f"keep must be >= 1 (number of checkpoints kept), got {keep}")
+    self.save_every = save_every
+    self.keep = keep
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+    )
+    handlers = {
+      "state": ocp.StandardCheckpointHandler(),
+      "meta": ocp.JsonCheckpointHandler(),
+      "format": ocp.JsonCheckpointHandler(),
+    }
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+  def should_save(self, step: int, *, force: bool = False) -> bool:
+    """Whether ``save(step, force=force)`` would write (cadence and not already on disk)."""
+    return (force or step % self.save_every == 0) and step not in self._manager.all_steps()
+
+  def save(self, step: int, *, state: PyTree, meta: Mapping[str, Any], force: bool = False) -> bool:
+    """Starts saving ``state`` and ``meta`` at ``step`` if due; returns whether a save started."""
+    if not isinstance(step, int) or step < 0:
+      raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if not self.should_save(step, force=force):
+      return False
+    try:
+      meta_json = json.loads(json.dumps(dict(meta)))
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"checkpoint meta must be JSON-serialisable (dict of str keys): {e}") from e
+    flat, _ = _flatten(state)
+    prng_impls = {}
+    for name, leaf in flat.items():
+      if _is_prng_key(leaf):
+        prng_impls[name] = str(jax.random.key_impl(leaf))
+        flat[name] = jax.random.key_data(leaf)
+    fmt = {"version": _FORMAT_VERSION, "prng_keys": prng_impls}
+    args = ocp.args.Composite(
+      state=ocp.args.StandardSave(flat),
+      meta=ocp.args.JsonSave(meta_json),
+      format=ocp.args.JsonSave(fmt),
+    )
+    # Cadence is decided above, so orbax's own save-interval policy is bypassed with force=True.
+    return bool(self._manager.save(step, args=args, force=True))
+
+  def wait(self) -> None:
+    """Blocks until every started save is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def latest_step(self) -> int | None:
+    """The newest complete step on disk, or None when there is none."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Every complete step on disk, ascending."""
+    return sorted(self._manager.all_steps())
+
+  def restore(
+    self, step: int | None = None, *, abstract_state: PyTree
+  ) -> tuple[PyTree, dict[str, Any]]:
+    """Restores ``(state, meta)`` from ``step`` (default: latest) onto ``abstract_state``'s layout.
+
+    Args:
+      step: the step to restore; None means ``latest_step()``.
+      abstract_state: the pytree the state should come back as, with ``jax.ShapeDtypeStruct``
+        leaves carrying the target sharding (jax.Array leaves are read as their own shape, dtype
+        and sharding). Typed PRNG key leaves use the key dtype (``jax.eval_shape`` of the init).
+
+    Raises:
+      FileNotFoundError: no checkpoint (or not this step) in the directory.
+      ValueError: the abstract state's keys, shapes or dtypes differ from what is on disk.
+    """
+    self.wait()
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        raise FileNotFoundError(f"no checkpoint found in {self.directory}")
+      step = steps[-1]
+    elif step not in steps:
+      raise FileNotFoundError(
+        f"no checkpoint for step {step} in {self.directory}; available steps: {steps or 'none'}"
+      )
+    fmt = self._manager.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))
+    prng_impls: dict[str, str] = fmt["format"]["prng_keys"]
+    flat_abstract, treedef = _flatten(abstract_state)
+    wanted = {}
+    for name, leaf in flat_abstract.items():
+      leaf = _to_abstract(name, leaf)
+      flat_abstract[name] = leaf
+      if _is_prng_key(leaf):
+        data = jax.eval_shape(jax.random.key_data, leaf)
+        leaf = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=leaf.sharding)
+      wanted[name] = leaf
+    self._check_matches(step, wanted, flat_abstract, prng_impls)
+    restored = self._manager.restore(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted), meta=ocp.args.JsonRestore()),
+    )
+    flat_state = dict(restored["state"])
+    for name in prng_impls:
+      flat_state[name] = jax.random.wrap_key_data(flat_state[name], impl=prng_impls[name])
+    leaves = [flat_state[name] for name in flat_abstract]
+    return jax.tree_util.tree_unflatten(treedef, leaves), dict(restored["meta"])
+
+  def _check_matches(
+    self,
+    step: int,
+    wanted: dict[str, jax.ShapeDtypeStruct],
+    flat_abstract: dict[str, jax.ShapeDtypeStruct],
+    prng_impls: dict[str, str],
+  ) -> None:
+    """Raises one ValueError listing every key, shape, dtype or key-type mismatch with the disk."""
+    on_disk, _ = _flatten(self._manager.item_metadata(step)["state"].tree)
+    problems = []
+    missing, extra = sorted(set(wanted) - set(on_disk)), sorted(set(on_disk) - set(wanted))
+    if missing:
+      problems.append(f"not in the checkpoint: {missing}")
+    if extra:
+      problems.append(f"in the checkpoint but not in abstract_state: {extra}")
+    for name in sorted(set(wanted) & set(on_disk)):
+      want, have = wanted[name], on_disk[name]
+      if tuple(want.shape) != tuple(have.shape) or jnp.dtype(want.dtype) != jnp.dtype(have.dtype):
+        problems.append(
+          f"{name}: saved {have.dtype}{list(have.shape)}, asked {want.dtype}{list(want.shape)}"
+        )
+      if _is_prng_key(flat_abstract[name]) != (name in prng_impls):
+        problems.append(
+          f"{name}: typed PRNG key on one side only (saved as key: {name in prng_impls})"
+        )
+    if problems:
+      raise ValueError(
+        f"abstract_state does not match checkpoint step {step} in {self.directory}: "
+        + "; ".join(problems)
+      )
+
+  def close(self) -> None:
+    """Waits for pending saves and releases orbax's background resources."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+
+_preempted = threading.Event()
+
+
+def install_preemption_handler(
+  callback: Callable[[int], None] | None = None,
+  signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
+) -> Callable[[], None]:
+  """Makes SIGTERM (by default) set the flag read by ``preempted()`` instead of killing the process.
+
+  The loop checks ``preempted()`` once per step and, when set, saves with ``force=True``, waits and
+  exits: saving inside the handler itself is unsafe because the signal may arrive in the middle of
+  a save or of a jitted step. ``callback(signum)``, if given, runs in the handler (on the main
+  thread) after the flag is set and should only record things. Must be called from the main
+  thread (a Python rule for signal handlers). Single process only: a multi-host run must agree on
+  the step to save at (e.g. ``jax.experimental.multihost_utils.reached_preemption_sync_point``).
+
+  Returns:
+    A function that restores the previous handlers and clears the flag.
+  """
+
+  def handler(signum: int, frame: object) -> None:
+    del frame
+    _preempted.set()
+    if callback is not None:
+      callback(signum)
+
+  previous = {s: signal.signal(s, handler) for s in signals}
+
+  def uninstall() -> None:
+    for s, old in previous.items():
+      signal.signal(s, old)
+    _preempted.clear()
+
+  return uninstall
+
+
+def preempted() -> bool:
+  """True once a signal handled by ``install_preemption_handler`` has arrived."""
+  return _preempted.is_set()

@@ -1,0 +1,249 @@
+"""Tests of earl_jax.checkpoint: round trips across meshes, cadence, errors, SIGTERM and SIGKILL."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from earl_jax import checkpoint as checkpoint_lib
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _mesh(shape: tuple[int, int], devices: list | None = None) -> Mesh:
+  devices = jax.devices() if devices is None else devices
+  return Mesh(np.array(devices).reshape(shape), ("fsdp", "tensor"))
+
+
+def _state(mesh: Mesh) -> dict:
+  """A small train state with distinct dims, a bf16 leaf, optax NamedTuples and a typed key."""
+  params = {
+    "embed": jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6) / 7.0,
+    "layers": [{"w": jnp.linspace(-1.0, 1.0, 4 * 10).reshape(4, 10).astype(jnp.bfloat16)}],
+  }
+  specs = {"embed": P("fsdp", "tensor"), "layers": [{"w": P(None, "tensor")}]}
+  params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+  opt_state = optax.adam(1e-3).init(params)
+  return {
+    "params": params,
+    "opt": opt_state,
+    "rng": jax.random.key(42),
+    "legacy_rng": jax.random.PRNGKey(7),
+    "step": jnp.int32(3),
+  }
+
+
+def _abstract(state: dict, sharding_fn) -> dict:
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_fn(x)),
+    jax.eval_shape(lambda: state),
+  )
+
+
+def _assert_bit_equal(a: dict, b: dict) -> None:
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      assert x.dtype == y.dtype
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.requires_devices(8)
+@pytest.mark.parametrize("target", ["mesh_1x8", "subset_2x2"])
+def test_restore_onto_other_mesh_is_bit_equal_with_requested_shardings(tmp_path, target):
+  state = _state(_mesh((4, 2)))
+  meta = {"data_position": 17, "plan": {"rollout": [4, 2]}, "note": "hi"}
+  with checkpoint_lib.Checkpointer(tmp_path / "ckpt", save_every=1, keep=2) as ckpt:
+    assert ckpt.save(3, state=state, meta=meta)
+    ckpt.wait()
+    mesh = _mesh((1, 8)) if target == "mesh_1x8" else _mesh((2, 2), jax.devices()[:4])
+
+    def sharding_fn(x: jax.ShapeDtypeStruct) -> NamedSharding:
+      # Shard the last dim over 'tensor' where it divides, else replicate.
+      ok = x.ndim >= 1 and x.shape[-1] % mesh.shape["tensor"] == 0
+      return NamedSharding(mesh, P(*([None] * (x.ndim - 1)), "tensor") if ok else P())
+
+    abstract = _abstract(state, sharding_fn)
+    restored, restored_meta = ckpt.restore(abstract_state=abstract)
+  _assert_bit_equal(state, restored)
+  assert restored_meta == meta
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)):
+    assert got.sharding == want.sharding
+  assert restored["rng"].dtype == jax.random.key(0).dtype
+  # The restored key draws the same numbers as the original.
+  np.testing.assert_array_equal(
+    jax.random.normal(restored["rng"], (5,)), jax.random.normal(state["rng"], (5,))
+  )
+
+
+def test_cadence_keep_and_existing_step(tmp_path):
+  one = NamedSharding(_mesh((1, 1), jax.devices()[:1]), P())
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, save_every=2, keep=2, async_save=False)
+  saved = [s for s in range(1, 8) if ckpt.save(s, state={"x": jnp.full((3,), s)}, meta={"s": s})]
+  assert saved == [2, 4, 6]
+  assert ckpt.save(7, state={"x": jnp.full((3,), 7)}, meta={"s": 7}, force=True)
+  assert ckpt.save(7, state={"x": jnp.zeros(3)}, meta={}, force=True) is False  # already on disk
+  assert ckpt.all_steps() == [6, 7]
+  assert ckpt.latest_step() == 7
+  abstract = {"x": jax.ShapeDtypeStruct((3,), jnp.int32, sharding=one)}
+  state, meta = ckpt.restore(6, abstract_state=abstract)
+  np.testing.assert_array_equal(state["x"], [6, 6, 6])
+  assert meta == {"s": 6}
+  ckpt.close()
+  # A second Checkpointer on the same directory sees the same steps (resume).
+  again = checkpoint_lib.Checkpointer(tmp_path, save_every=2, keep=2)
+  assert again.latest_step() == 7
+  assert again.restore(abstract_state=abstract)[1] == {"s": 7}
+  again.close()
+
+
+def test_errors_are_clear(tmp_path):
+  one = NamedSharding(_mesh((1, 1), jax.devices()[:1]), P())
+  abstract = {"x": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=one)}
+  empty = checkpoint_lib.Checkpointer(tmp_path / "empty", save_every=1, keep=1)
+  with pytest.raises(FileNotFoundError, match=str(tmp_path / "empty")):
+    empty.restore(abstract_state=abstract)
+  assert empty.latest_step() is None
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  with pytest.raises(NotADirectoryError, match="not a directory"):
+    checkpoint_lib.Checkpointer(a_file, save_every=1, keep=1)
+  with pytest.raises(ValueError, match="save_every"):
+    checkpoint_lib.Checkpointer(tmp_path / "c", save_every=0, keep=1)
+
+  ckpt = checkpoint_lib.Checkpointer(tmp_path / "c", save_every=1, keep=1, async_save=False)
+  with pytest.raises(TypeError, match="JSON"):
+    ckpt.save(1, state={"x": jnp.zeros(3)}, meta={"bad": object()})
+  ckpt.save(1, state={"x": jnp.zeros(3)}, meta={})
+  with pytest.raises(FileNotFoundError, match=r"step 5 .*available steps: \[1\]"):
+    ckpt.restore(5, abstract_state=abstract)
+  wrong = {"x": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=one), "y": abstract["x"]}
+  with pytest.raises(ValueError, match=r"not in the checkpoint: \['y'\].*x: saved float32\[3\]"):
+    ckpt.restore(abstract_state=wrong)
+  with pytest.raises(ValueError, match="has no sharding"):
+    ckpt.restore(abstract_state={"x": jax.ShapeDtypeStruct((3,), jnp.float32)})
+  ckpt.close()
+
+
+def test_preemption_flag_in_process():
+  seen = []
+  uninstall = checkpoint_lib.install_preemption_handler(seen.append)
+  try:
+    assert not checkpoint_lib.preempted()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert checkpoint_lib.preempted()
+    assert seen == [signal.SIGTERM]
+  finally:
+    uninstall()
+  assert not checkpoint_lib.preempted()
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+_CHILD_PRELUDE = """
+import json, os, signal, sys, time
+import jax, jax.numpy as jnp
+from earl_jax import checkpoint as checkpoint_lib
+ckpt = checkpoint_lib.Checkpointer(sys.argv[1], save_every=1000, keep=3)
+def state(step):
+  w = jnp.full((256, 256), float(step))
+  return {"w": w, "step": jnp.int32(step), "rng": jax.random.key(step)}
+"""
+
+_SIGTERM_CHILD = """
+checkpoint_lib.install_preemption_handler()
+for step in range(1, 10_000):
+  time.sleep(0.05)  # one "train step"
+  print(f"step {step}", flush=True)
+  if checkpoint_lib.preempted():
+    ckpt.save(step, state=state(step), meta={"step": step}, force=True)
+    ckpt.wait()
+    print(f"saved {step}", flush=True)
+    sys.exit(0)
+"""
+
+_SIGKILL_CHILD = """
+ckpt.save(1, state=state(1), meta={"step": 1}, force=True)
+ckpt.wait()
+ckpt.save(2, state=state(2), meta={"step": 2}, force=True)  # async: returns before it is on disk
+time.sleep(float(sys.argv[2]))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _child(script: str, *args: str) -> subprocess.Popen:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(_REPO))
+  code = textwrap.dedent(_CHILD_PRELUDE) + textwrap.dedent(script)
+  return subprocess.Popen(
+    [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env, cwd=_REPO
+  )
+
+
+def _abstract_child_state() -> dict:
+  one = NamedSharding(_mesh((1, 1), jax.devices()[:1]), P())
+  shapes = {"w": ((256, 256), jnp.float32), "step": ((), jnp.int32)}
+  abstract = {k: jax.ShapeDtypeStruct(s, d, sharding=one) for k, (s, d) in shapes.items()}
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return abstract | {"rng": jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=one)}
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_and_exits_cleanly(tmp_path):
+  proc = _child(_SIGTERM_CHILD, str(tmp_path))
+  try:
+    for line in proc.stdout:
+      if line.strip() == "step 3":
+        proc.send_signal(signal.SIGTERM)
+        break
+    out, _ = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == 0
+  saved = int(out.split("saved ")[1].split()[0])
+  assert saved >= 3
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, save_every=1000, keep=3)
+  assert ckpt.latest_step() == saved
+  state, meta = ckpt.restore(abstract_state=_abstract_child_state())
+  assert meta == {"step": saved} and int(state["step"]) == saved
+  np.testing.assert_array_equal(state["w"], np.full((256, 256), float(saved)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", ["0", "0.02", "1.0"])
+def test_sigkill_mid_save_leaves_a_complete_checkpoint(tmp_path, delay_s):
+  proc = _child(_SIGKILL_CHILD, str(tmp_path), delay_s)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  ckpt = checkpoint_lib.Checkpointer(tmp_path, save_every=1000, keep=3)
+  step = ckpt.latest_step()
+  assert step in (1, 2)
+  state, meta = ckpt.restore(abstract_state=_abstract_child_state())
+  assert meta == {"step": step} and int(state["step"]) == step
+  np.testing.assert_array_equal(state["w"], np.full((256, 256), float(step)))
+  np.testing.assert_array_equal(
+    jax.random.key_data(state["rng"]), jax.random.key_data(jax.random.key(step))
+  )
+  complete = sorted(int(n) for n in os.listdir(tmp_path) if n.isdigit())
+  assert complete == ckpt.all_steps() and complete[-1] == step
+  if step == 1:
+    # The resumed run saves the interrupted step again, over the leftover temporary directory.
+    one = NamedSharding(_mesh((1, 1), jax.devices()[:1]), P())
+    redo = jax.tree.map(
+      lambda a: jax.device_put(a, one), {"w": state["w"] + 1, "step": jnp.int32(2)}
+    )
+    assert ckpt.save(2, state=redo | {"rng": jax.random.key(2)}, meta={"step": 2}, force=True)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    assert ckpt.restore(abstract_state=_abstract_child_state())[1] == {"step": 2}
+  ckpt.close()
