@@ -1,0 +1,237 @@
+"""Policy losses of the update stage: PPO-clip (asymmetric and dual clip), KL, entropy, aggregation.
+
+Data flow: the update stage computes the new policy's per-token log-probs (and optionally
+entropies) for an ``AdvantageBatch`` and calls ``policy_loss`` under ``jax.grad``. Everything
+here is a pure, jittable function of [B, T] arrays; ``LossConfig`` is static (hashable).
+
+Objectives, per policy token t (ratio rho_t = pi_new / pi_old, advantage A_t):
+  pg_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))            (PPO-clip)
+  pg_t = min(pg_t, -c A_t) where A_t < 0                                         (dual clip, c > 1)
+  loss_t = pg_t + beta KL_t(pi_new || pi_ref) - entropy_coef H_t
+GRPO is this loss with ``kl_beta > 0`` on GRPO advantages (``advantage.AdvantageEstimator.GRPO``);
+the REINFORCE++ path instead folds the KL into the reward (``kl_per_token`` in
+``advantage.py``) and keeps ``kl_beta = 0`` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from earl_jax.config_lib import ConfigError
+from earl_jax.rl.batches import AdvantageBatch
+from earl_jax.types import Array
+
+# exp() of a log-ratio above this overflows float32 gradients long before it is meaningful; k3 is
+# computed on the log-ratio clamped to +-_MAX_LOG_RATIO (only pathological tokens are affected).
+_MAX_LOG_RATIO = 20.0
+
+
+class KLEstimator(enum.Enum):
+  """Schulman's estimators of KL(q || p) from samples x ~ q, with log r = log p(x) - log q(x).
+
+  k1 = -log r (unbiased, high variance, can be negative); k2 = (log r)^2 / 2 (biased, low
+  variance); k3 = (r - 1) - log r (unbiased, low variance, always >= 0).
+  """
+
+  K1 = "k1"
+  K2 = "k2"
+  K3 = "k3"
+
+
+class LossAggregation(enum.Enum):
+  """How per-token losses become one scalar (masked tokens never count)."""
+
+  TOKEN_MEAN = "token_mean"  # sum over all policy tokens / number of policy tokens
+  SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"  # mean over rows of each row's token mean
+  SEQ_SUM_NORM = "seq_sum_norm"  # sum over all policy tokens / (B * constant), Dr. GRPO
+
+
+def kl_per_token(
+  logps_BxT: Array, ref_logps_BxT: Array, mask_BxT: Array, estimator: KLEstimator
+) -> Array:
+  """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi; 0 where mask is False.
+
+  Args:
+    logps_BxT: log pi(token) of the sampling policy (new policy in the loss, old policy when the
+      KL is folded into the reward).
+    ref_logps_BxT: log pi_ref(token) under the reference.
+    mask_BxT: the loss mask; other entries may hold anything (they are never read).
+    estimator: which of k1 / k2 / k3.
+  """
+  # log r = log pi_ref - log pi; zeroed off the mask first so padding cannot make inf or NaN.
+  log_r_BxT = jnp.where(mask_BxT, ref_logps_BxT - logps_BxT, 0.0)
+  if estimator is KLEstimator.K1:
+    kl_BxT = -log_r_BxT
+  elif estimator is KLEstimator.K2:
+    kl_BxT = 0.5 * jnp.square(log_r_BxT)
+  elif estimator is KLEstimator.K3:
+    clamped_BxT = jnp.clip(log_r_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    kl_BxT = jnp.expm1(clamped_BxT) - clamped_BxT
+  else:
+    raise ValueError(f"estimator {estimator!r}; allowed: {[e.name for e in KLEstimator]}")
+  return jnp.where(mask_BxT, kl_BxT, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Static configuration of ``policy_loss`` (paper symbols in the comments)."""
+
+  clip_eps_low: float = 0.2  # epsilon_low: ratio clipped below at 1 - clip_eps_low
+  clip_eps_high: float = 0.2  # epsilon_high: ratio clipped above at 1 + clip_eps_high (0.28 =
+  # DAPO's "clip-higher")
+  dual_clip: float | None = None  # c > 1: bounds the loss of negative-advantage tokens by -c*A
+  kl_beta: float = 0.0  # beta: weight of KL(pi_new || pi_ref) in the loss (GRPO); 0 = no term
+  kl_estimator: KLEstimator = KLEstimator.K3  # estimator of that in-loss KL
+  entropy_coef: float = 0.0  # weight of the entropy bonus (needs entropy_BxT from the caller)
+  aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
+  seq_sum_norm: int | None = None  # SEQ_SUM_NORM's constant (e.g. max generation length);
+  # None = the padded length T, which changes with the length bucket
+
+  def __post_init__(self):
+    for key in ("clip_eps_low", "clip_eps_high"):
+      value = getattr(self, key)
+      if not isinstance(value, float | int) or not 0.0 <= value < 1.0:
+        raise ConfigError(key, value, "a float in [0, 1)")
+    if self.dual_clip is not None and not self.dual_clip > 1.0:
+      raise ConfigError("dual_clip", self.dual_clip, "None (off) or a float > 1")
+    for key in ("kl_beta", "entropy_coef"):
+      value = getattr(self, key)
+      if not value >= 0.0:
+        raise ConfigError(key, value, "a non-negative float")
+    if not isinstance(self.kl_estimator, KLEstimator):
+      raise ConfigError("kl_estimator", self.kl_estimator, f"one of {list(KLEstimator)}")
+    if not isinstance(self.aggregation, LossAggregation):
+      raise ConfigError("aggregation", self.aggregation, f"one of {list(LossAggregation)}")
+    if self.seq_sum_norm is not None and not self.seq_sum_norm > 0:
+      raise ConfigError("seq_sum_norm", self.seq_sum_norm, "None (= padded T) or a positive int")
+
+
+def aggregate(
+  loss_BxT: Array, mask_BxT: Array, mode: LossAggregation, seq_sum_norm: int | None = None
+) -> Array:
+  """Reduces per-token losses to a scalar; masked-out tokens never contribute.
+
+  TOKEN_MEAN and SEQ_MEAN_TOKEN_MEAN return 0 when no token (row) is unmasked. In
+  SEQ_MEAN_TOKEN_MEAN rows without policy tokens are left out of the mean over rows. SEQ_SUM_NORM
+  divides by the static constant B * seq_sum_norm (default B * T), so it does not depend on
+  response lengths at all (Dr. GRPO).
+  """
+  m_BxT = mask_BxT.astype(loss_BxT.dtype)
+  masked_BxT = jnp.where(mask_BxT, loss_BxT, 0.0)
+  if mode is LossAggregation.TOKEN_MEAN:
+    return jnp.sum(masked_BxT) / jnp.maximum(jnp.sum(m_BxT), 1.0)
+  if mode is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
+    count_B = jnp.sum(m_BxT, axis=1)
+    row_mean_B = jnp.sum(masked_BxT, axis=1) / jnp.maximum(count_B, 1.0)
+    has_tokens_B = (count_B > 0).astype(loss_BxT.dtype)
+    return jnp.sum(row_mean_B * has_tokens_B) / jnp.maximum(jnp.sum(has_tokens_B), 1.0)
+  if mode is LossAggregation.SEQ_SUM_NORM:
+    b, t = loss_BxT.shape
+    norm = t if seq_sum_norm is None else seq_sum_norm
+    return jnp.sum(masked_BxT) / float(b * norm)
+  raise ValueError(f"aggregation {mode!r}; allowed: {[m.name for m in LossAggregation]}")
+
+
+def ppo_clip_per_token(
+  new_logps_BxT: Array,
+  old_logps_BxT: Array,
+  advantages_BxT: Array,
+  mask_BxT: Array,
+  cfg: LossConfig,
+) -> tuple[Array, Array, Array, Array]:
+  """Per-token PPO-clip loss (with clip-higher and dual clip) and its diagnostics.
+
+  Returns:
+    (pg_loss_BxT, ratio_BxT, clipped_BxT, dual_clipped_BxT): the loss (0 off the mask), the
+    ratio pi_new / pi_old (1 off the mask), and bool masks of the tokens whose loss is the clipped
+    branch (the gradient through the ratio is zero there) or the dual-clip bound.
+  """
+  # Off-mask log-probs may be garbage: zero the log-ratio there so exp() stays finite and no NaN
+  # leaks into the gradient through jnp.where.
+  log_ratio_BxT = jnp.where(mask_BxT, new_logps_BxT - old_logps_BxT, 0.0)
+  ratio_BxT = jnp.exp(log_ratio_BxT)
+  unclipped_BxT = -advantages_BxT * ratio_BxT
+  clipped_ratio_BxT = jnp.clip(ratio_BxT, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+  clipped_loss_BxT = -advantages_BxT * clipped_ratio_BxT
+  pg_BxT = jnp.maximum(unclipped_BxT, clipped_loss_BxT)
+  clipped_BxT = mask_BxT & (clipped_loss_BxT > unclipped_BxT)
+  if cfg.dual_clip is None:
+    dual_clipped_BxT = jnp.zeros_like(mask_BxT)
+  else:
+    bound_BxT = -cfg.dual_clip * advantages_BxT
+    dual_clipped_BxT = mask_BxT & (advantages_BxT < 0) & (pg_BxT > bound_BxT)
+    pg_BxT = jnp.where(advantages_BxT < 0, jnp.minimum(pg_BxT, bound_BxT), pg_BxT)
+  return jnp.where(mask_BxT, pg_BxT, 0.0), ratio_BxT, clipped_BxT, dual_clipped_BxT
+
+
+def _masked_mean(x_BxT: Array, mask_BxT: Array) -> Array:
+  total = jnp.sum(jnp.where(mask_BxT, x_BxT, 0.0))
+  return total / jnp.maximum(jnp.sum(mask_BxT.astype(jnp.float32)), 1.0)
+
+
+def _masked_extreme(x_BxT: Array, mask_BxT: Array, fn, fill: float) -> Array:
+  # fn over the masked entries; 0 when the mask is empty (instead of +-inf).
+  value = fn(jnp.where(mask_BxT, x_BxT, fill))
+  return jnp.where(jnp.any(mask_BxT), value, 0.0)
+
+
+def policy_loss(
+  new_logps_BxT: Array,
+  batch: AdvantageBatch,
+  cfg: LossConfig,
+  entropy_BxT: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+  """The update stage's loss: PPO-clip + optional in-loss KL + optional entropy bonus.
+
+  Args:
+    new_logps_BxT: f32 [B, T] log-probs of ``batch.tokens_BxT`` under the policy being trained
+      (differentiate w.r.t. these); only entries on ``batch.loss_mask_BxT`` are read.
+    batch: supplies old_logps, ref_logps, advantages and the loss mask.
+    cfg: static loss configuration.
+    entropy_BxT: f32 [B, T] per-token entropy of the new policy; required iff entropy_coef > 0
+      (always reported as a metric when given).
+
+  Returns:
+    (loss, metrics). Metrics are token means over policy tokens (independent of the loss
+    aggregation), computed without gradient: pg_loss, kl_loss (the KL term, 0 if kl_beta == 0),
+    kl_ref (KL(new || ref) by cfg.kl_estimator), approx_kl_old (k3 estimate of KL(old || new)
+    on the sampled tokens: how far the updates since rollout moved the policy), clip_frac,
+    dual_clip_frac, ratio_mean, ratio_max, ratio_min, entropy (if given), num_tokens.
+  """
+  if cfg.entropy_coef > 0 and entropy_BxT is None:
+    raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef} > 0 needs entropy_BxT")
+  mask_BxT = batch.loss_mask_BxT
+  pg_BxT, ratio_BxT, clipped_BxT, dual_BxT = ppo_clip_per_token(
+    new_logps_BxT, batch.old_logps_BxT, batch.advantages_BxT, mask_BxT, cfg
+  )
+  loss_BxT = pg_BxT
+  kl_ref_BxT = kl_per_token(new_logps_BxT, batch.ref_logps_BxT, mask_BxT, cfg.kl_estimator)
+  if cfg.kl_beta > 0:
+    loss_BxT = loss_BxT + cfg.kl_beta * kl_ref_BxT
+  if cfg.entropy_coef > 0:
+    loss_BxT = loss_BxT - cfg.entropy_coef * entropy_BxT
+  loss = aggregate(loss_BxT, mask_BxT, cfg.aggregation, cfg.seq_sum_norm)
+
+  sg = jax.lax.stop_gradient
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  # k3 with the roles of ref played by new: KL(old || new) estimated on samples of old.
+  approx_kl_old_BxT = kl_per_token(batch.old_logps_BxT, new_logps_BxT, mask_BxT, KLEstimator.K3)
+  metrics = {
+    "pg_loss": _masked_mean(sg(pg_BxT), mask_BxT),
+    "kl_loss": cfg.kl_beta * _masked_mean(sg(kl_ref_BxT), mask_BxT),
+    "kl_ref": _masked_mean(sg(kl_ref_BxT), mask_BxT),
+    "approx_kl_old": _masked_mean(sg(approx_kl_old_BxT), mask_BxT),
+    "clip_frac": _masked_mean(f32(clipped_BxT), mask_BxT),
+    "dual_clip_frac": _masked_mean(f32(dual_BxT), mask_BxT),
+    "ratio_mean": _masked_mean(sg(ratio_BxT), mask_BxT),
+    "ratio_max": _masked_extreme(sg(ratio_BxT), mask_BxT, jnp.max, -jnp.inf),
+    "ratio_min": _masked_extreme(sg(ratio_BxT), mask_BxT, jnp.min, jnp.inf),
+    "num_tokens": jnp.sum(f32(mask_BxT)),
+  }
+  if entropy_BxT is not None:
+    metrics["entropy"] = _masked_mean(sg(entropy_BxT), mask_BxT)
+  return loss, metrics
