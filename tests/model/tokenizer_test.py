@@ -7,10 +7,11 @@ import os
 import random
 
 import jinja2
+import numpy as np
 import pytest
 import tokenizers
 import transformers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from earl_jax.config_lib import TokenizerConfig, TokenizerKind
 from earl_jax.model.tokenizer import (
@@ -170,6 +171,7 @@ def test_hf_encode_decode_match_transformers(hf_dir: str, reference) -> None:
   for text in _TEXTS:
     ids = tok.encode(text)
     assert ids == reference.encode(text, add_special_tokens=False), text
+    assert tok.encode(text, add_special_tokens=True) == reference.encode(text), text
     assert tok.decode(ids) == reference.decode([i for i in ids if i != tok.pad_id]), text
   # Byte-level BPE is lossless on any text; chat control tokens encode to one id.
   assert tok.decode(tok.encode(_TEXTS[5])) == _TEXTS[5]
@@ -253,6 +255,22 @@ def test_hf_named_templates_and_dict_tokens(tmp_path, backend) -> None:
     missing.apply_chat_template(_CHATS[0], add_generation_prompt=True)
 
 
+def test_hf_post_processor_bos_only_when_asked(tmp_path) -> None:
+  """Llama-3 style: the post-processor prepends bos; encode adds it only with add_special_tokens."""
+  backend = _trained_backend()
+  bos = backend.token_to_id("<|im_start|>")
+  backend.post_processor = processors.TemplateProcessing(
+    single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+  )
+  config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+  directory = _write_dir(str(tmp_path / "bos"), backend, config)
+  reference = transformers.AutoTokenizer.from_pretrained(directory)
+  tok = HFTokenizer.from_pretrained(directory)
+  for text in _TEXTS:
+    assert tok.encode(text, add_special_tokens=True) == reference.encode(text), text
+    assert tok.encode(text, add_special_tokens=True) == [bos, *tok.encode(text)], text
+
+
 def test_hf_errors(tmp_path, backend) -> None:
   (tmp_path / "empty").mkdir()
   (tmp_path / "empty" / "config.json").write_text("{}")
@@ -325,7 +343,7 @@ def test_char_decode_never_raises_in_range() -> None:
   rng = random.Random(3)
   for _ in range(200):
     ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(20))]
-    assert isinstance(tok.decode(ids), str)
+    assert tok.decode(np.asarray(ids, np.int32)) == tok.decode(ids)  # rollout rows are arrays
   with pytest.raises(ValueError, match=r"\[105\] are outside \[0, 105\)"):
     tok.decode([5, 105])
 
