@@ -1,0 +1,334 @@
+"""Two-player OpenSpiel board games as text envs; the policy plays one side, an opponent the other.
+
+Sits between the rollout loop (text in, text out) and OpenSpiel (rules, bots). Formats, shown for
+Connect Four with the policy as ``o`` (second player) after ``x`` opened in column 3:
+
+Compact observation (default; for tiny character-level policies)::
+
+  .......          the board as OpenSpiel renders it, top row first; x moves first
+  .......
+  .......
+  .......
+  .......
+  ...x...
+  o 3              your symbol, then the opponent's last move ('-' if none yet)
+
+Verbose observation (for chat models)::
+
+  Connect Four. You play o. The opponent (x) played 3.
+  <the board rows>
+  0123456
+  Legal moves: 0 1 2 4 5 6
+  Answer with <move>N</move>.
+
+The answer is ``<move>N</move>`` with N an OpenSpiel action id, i.e. the column (0-6, left to
+right) in Connect Four and the cell (0-8, row by row; empty cells show their id) in Tic-Tac-Toe.
+The tag name and the parser are configurable (``action_tag``, ``parse_mode``, see ``parsing``).
+An invalid answer (unparseable or illegal) costs ``invalid_penalty`` and either ends the episode
+(outcome ``invalid``) or gets the short observation ``invalid; legal: 0 1 2 4 5 6`` and another
+try, at most ``max_retries`` in a row. Terminal observations are the final board and a line
+``win``/``loss``/``draw``/``invalid`` (verbose: ``Result: ...``). Rewards: ``win_reward``,
+``draw_reward``, ``loss_reward`` on the final step, ``invalid_penalty`` per invalid answer.
+
+Another OpenSpiel two-player sequential game with a text rendering is added with one
+``register_game`` call (see the two below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pyspiel
+
+from earl_jax.config_lib import ConfigError
+from earl_jax.env import base, opponents, parsing
+
+OpponentKind = opponents.OpponentKind
+
+
+class Side(enum.Enum):
+  FIRST = "first"
+  SECOND = "second"
+  ALTERNATE = "alternate"  # even seeds play first, odd seeds second: balanced over seed ranges
+
+
+ObservationMode = base.ObservationMode
+
+
+def _default_render(state: pyspiel.State) -> str:
+  return str(state).strip("\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class GameSpec:
+  """What an OpenSpiel game needs to become a text env.
+
+  Attributes:
+    openspiel_name: ``pyspiel.load_game`` name.
+    title: shown in instructions and verbose observations.
+    rules: one verbose sentence (how to win, what N means).
+    symbols: the board symbols of player 0 and player 1 as rendered.
+    render: state -> board text.
+    label_row: an optional line under the board in verbose mode (e.g. column ids).
+    preference: action -> sort key for the scripted heuristic (lower is preferred).
+    params: ``load_game`` parameters.
+  """
+
+  openspiel_name: str
+  title: str
+  rules: str
+  symbols: tuple[str, str] = ("x", "o")
+  render: Callable[[pyspiel.State], str] = _default_render
+  label_row: str = ""
+  preference: Callable[[int], float] = float
+  params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def load(self) -> pyspiel.Game:
+    game = pyspiel.load_game(self.openspiel_name, dict(self.params))
+    kind = game.get_type()
+    if game.num_players() != 2 or kind.dynamics != pyspiel.GameType.Dynamics.SEQUENTIAL:
+      raise ValueError(f"{self.openspiel_name}: GameEnv needs a two-player sequential game")
+    return game
+
+
+GAMES: dict[str, GameSpec] = {}
+
+
+def register_game(name: str, spec: GameSpec) -> None:
+  """Makes ``earl_jax.env.make(name, ...)`` build a ``GameEnv`` for ``spec``."""
+  if name in GAMES:
+    raise ValueError(f"game {name!r} is already registered")
+  GAMES[name] = spec
+
+
+def _tic_tac_toe_render(state: pyspiel.State) -> str:
+  # Empty cells show their action id, so the legal moves are visible on the board itself.
+  flat = str(state).replace("\n", "")
+  cells = [str(i) if c == "." else c for i, c in enumerate(flat)]
+  return "\n".join("".join(cells[r * 3 : r * 3 + 3]) for r in range(3))
+
+
+register_game(
+  "connect_four",
+  GameSpec(
+    openspiel_name="connect_four",
+    title="Connect Four",
+    rules="Drop a piece into column N (0-6, left to right); four in a row in any line wins.",
+    label_row="0123456",
+    preference=lambda a: abs(a - 3),
+  ),
+)
+register_game(
+  "tic_tac_toe",
+  GameSpec(
+    openspiel_name="tic_tac_toe",
+    title="Tic-Tac-Toe",
+    rules="Mark cell N (0-8, row by row; free cells show their number); three in a row wins.",
+    render=_tic_tac_toe_render,
+    preference=lambda a: 0 if a == 4 else (1 if a in (0, 2, 6, 8) else 2),
+  ),
+)
+
+
+def _finite(value: float) -> bool:
+  return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GameEnvConfig:
+  """Options of a game env (the game itself is the registry name)."""
+
+  opponent: OpponentKind = OpponentKind.RANDOM
+  mcts_simulations: int = 50  # MCTS opponent: simulations per move (strength and cost)
+  mcts_rollouts: int = 1  # MCTS opponent: random rollouts per leaf evaluation
+  mcts_uct_c: float = 2.0  # MCTS opponent: exploration constant
+  model_side: Side = Side.ALTERNATE
+  observation: ObservationMode = ObservationMode.COMPACT
+  parse_mode: parsing.ParseMode = parsing.ParseMode.TAG
+  action_tag: str = "move"  # the answer is <action_tag>N</action_tag>
+  on_invalid: base.OnInvalid = base.OnInvalid.RETRY
+  max_retries: int = 2  # RETRY: invalid answers in a row before the episode ends as invalid
+  invalid_penalty: float = -0.5  # reward of each invalid answer
+  win_reward: float = 1.0
+  draw_reward: float = 0.0
+  loss_reward: float = -1.0
+
+  def __post_init__(self):
+    for key in ("mcts_simulations", "mcts_rollouts"):
+      value = getattr(self, key)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, "a positive int")
+    if not _finite(self.mcts_uct_c) or self.mcts_uct_c <= 0:
+      raise ConfigError("mcts_uct_c", self.mcts_uct_c, "a positive float")
+    if not isinstance(self.max_retries, int) or self.max_retries < 0:
+      raise ConfigError("max_retries", self.max_retries, "a non-negative int")
+    if not isinstance(self.action_tag, str) or not re.fullmatch(r"[a-z_]{1,16}", self.action_tag):
+      raise ConfigError("action_tag", self.action_tag, "1-16 lower-case letters or '_'")
+    for key in ("invalid_penalty", "win_reward", "draw_reward", "loss_reward"):
+      if not _finite(getattr(self, key)):
+        raise ConfigError(key, getattr(self, key), "a finite float")
+    for key, kind in (
+      ("opponent", OpponentKind),
+      ("model_side", Side),
+      ("observation", ObservationMode),
+      ("parse_mode", parsing.ParseMode),
+      ("on_invalid", base.OnInvalid),
+    ):
+      if not isinstance(getattr(self, key), kind):
+        raise ConfigError(key, getattr(self, key), f"one of {[m.value for m in kind]}")
+
+
+class GameEnv:
+  """One episode at a time of ``spec``'s game; see the module docstring for the formats."""
+
+  def __init__(self, spec: GameSpec, config: GameEnvConfig | None = None):
+    self.spec = spec
+    self.config = config or GameEnvConfig()
+    self._game = spec.load()
+    self._guard = base.EpisodeGuard(f"GameEnv({spec.openspiel_name})")
+    self._state: pyspiel.State | None = None
+    self._me = 0
+
+  @property
+  def instructions(self) -> str:
+    tag = self.config.action_tag
+    first = self.spec.symbols[0]
+    if self.config.observation is ObservationMode.COMPACT:
+      return f"{self.spec.title}. {first} moves first. Answer <{tag}>N</{tag}>."
+    return (
+      f"You are playing {self.spec.title} against an opponent. {self.spec.rules} "
+      f"Player {first} moves first. Each turn you see the board and answer with exactly "
+      f"<{tag}>N</{tag}>, N a legal move. An invalid answer is penalised."
+    )
+
+  @property
+  def state(self) -> pyspiel.State:
+    """A copy of the current OpenSpiel state (for scripted policies and tests)."""
+    if self._state is None:
+      raise RuntimeError("GameEnv.state read before reset(seed)")
+    return self._state.clone()
+
+  @property
+  def model_player(self) -> int:
+    return self._me
+
+  def reset(self, seed: int) -> str:
+    seed = base.check_seed(seed)
+    cfg = self.config
+    if cfg.model_side is Side.ALTERNATE:
+      self._me = seed % 2
+    else:
+      self._me = 0 if cfg.model_side is Side.FIRST else 1
+    self._chance_rng = base.derive_rng(seed, "chance")
+    self._opponent = opponents.make_opponent(
+      cfg.opponent,
+      self._game,
+      base.derive_rng(seed, "opponent"),
+      mcts_simulations=cfg.mcts_simulations,
+      mcts_rollouts=cfg.mcts_rollouts,
+      mcts_uct_c=cfg.mcts_uct_c,
+    )
+    self._state = self._game.new_initial_state()
+    self._turn = 0
+    self._retries = 0
+    self._last_opponent: int | None = None
+    self._guard.start()
+    self._advance()
+    return self._render()
+
+  def step(self, action_text: object) -> base.StepResult:
+    self._guard.check_running()
+    self._turn += 1
+    action = parsing.parse_action_int(action_text, self.config.action_tag, self.config.parse_mode)
+    legal = self._state.legal_actions()
+    if action is None or action not in legal:
+      return self._invalid(action, legal)
+    self._retries = 0
+    self._state.apply_action(action)
+    self._last_opponent = None
+    self._advance()
+    if self._state.is_terminal():
+      return self._finish(self._terminal_outcome(), action)
+    return base.StepResult(self._render(), 0.0, False, self._info(None, True, action))
+
+  def _advance(self) -> None:
+    """Plays chance and opponent moves until it is the policy's turn or the game is over."""
+    while not self._state.is_terminal():
+      if self._state.is_chance_node():
+        actions, probs = zip(*self._state.chance_outcomes())
+        self._state.apply_action(int(self._chance_rng.choice(actions, p=probs)))
+      elif self._state.current_player() == self._me:
+        return
+      else:
+        self._last_opponent = self._opponent(self._state)
+        self._state.apply_action(self._last_opponent)
+
+  def _terminal_outcome(self) -> base.Outcome:
+    returns = self._state.returns()
+    mine, theirs = returns[self._me], returns[1 - self._me]
+    if mine > theirs:
+      return base.Outcome.WIN
+    return base.Outcome.LOSS if mine < theirs else base.Outcome.DRAW
+
+  def _invalid(self, action: int | None, legal: list[int]) -> base.StepResult:
+    cfg = self.config
+    self._retries += 1
+    if cfg.on_invalid is base.OnInvalid.END or self._retries > cfg.max_retries:
+      return self._finish(base.Outcome.INVALID, action)
+    moves = " ".join(str(a) for a in legal)
+    if cfg.observation is ObservationMode.COMPACT:
+      obs = f"invalid; legal: {moves}"
+    else:
+      what = "could not be read" if action is None else f"{action} is not legal"
+      tag = cfg.action_tag
+      obs = f"Invalid answer: {what}. Legal moves: {moves}. Answer with <{tag}>N</{tag}>."
+    return base.StepResult(obs, float(cfg.invalid_penalty), False, self._info(None, False, action))
+
+  def _finish(self, outcome: base.Outcome, action: int | None) -> base.StepResult:
+    cfg = self.config
+    reward = {
+      base.Outcome.WIN: cfg.win_reward,
+      base.Outcome.LOSS: cfg.loss_reward,
+      base.Outcome.DRAW: cfg.draw_reward,
+      base.Outcome.INVALID: cfg.invalid_penalty,
+    }[outcome]
+    self._guard.finish()
+    verdict = outcome.value
+    if cfg.observation is ObservationMode.VERBOSE:
+      verdict = f"Result: {verdict}."
+    board = self.spec.render(self._state)
+    legal = outcome is not base.Outcome.INVALID
+    return base.StepResult(
+      f"{board}\n{verdict}", float(reward), True, self._info(outcome, legal, action)
+    )
+
+  def _info(self, outcome: base.Outcome | None, legal: bool, action: int | None) -> dict[str, Any]:
+    return {
+      "outcome": None if outcome is None else outcome.value,
+      "legal": legal,
+      "turn": self._turn,
+      "action": action,
+      "model_player": self._me,
+      "opponent_action": self._last_opponent,
+      "retries": self._retries,
+    }
+
+  def _render(self) -> str:
+    me, them = self.spec.symbols[self._me], self.spec.symbols[1 - self._me]
+    last = "-" if self._last_opponent is None else str(self._last_opponent)
+    board = self.spec.render(self._state)
+    if self.config.observation is ObservationMode.COMPACT:
+      return f"{board}\n{me} {last}"
+    if self._last_opponent is None:
+      head = f"{self.spec.title}. You play {me}. You move first."
+    else:
+      head = f"{self.spec.title}. You play {me}. The opponent ({them}) played {last}."
+    labels = f"\n{self.spec.label_row}" if self.spec.label_row else ""
+    moves = " ".join(str(a) for a in self._state.legal_actions())
+    tag = self.config.action_tag
+    return f"{head}\n{board}{labels}\nLegal moves: {moves}\nAnswer with <{tag}>N</{tag}>."

@@ -1,0 +1,31 @@
+"""``make(name, **kwargs)``: env construction by name, as configs and the rollout loop ask for it.
+
+Keyword arguments are the fields of the env's config dataclass (``GameEnvConfig`` for games,
+``CalculatorEnvConfig`` for ``calculator``); enum fields also take their string values, so a
+plain dict from an ``ml_collections`` config works as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from earl_jax import config_lib
+from earl_jax.env import base, calculator, games
+
+CALCULATOR = "calculator"
+
+
+def names() -> list[str]:
+  """Every name ``make`` accepts."""
+  return sorted([*games.GAMES, CALCULATOR])
+
+
+def make(name: str, **kwargs: Any) -> base.Env:
+  """Builds env ``name`` with config fields ``kwargs``; unknown names or keys raise ConfigError."""
+  if name == CALCULATOR:
+    config = config_lib.build(calculator.CalculatorEnvConfig, kwargs, path=name)
+    return calculator.CalculatorEnv(config)
+  if name in games.GAMES:
+    config = config_lib.build(games.GameEnvConfig, kwargs, path=name)
+    return games.GameEnv(games.GAMES[name], config)
+  raise config_lib.ConfigError("env.name", name, f"one of {names()}")

@@ -1,0 +1,209 @@
+"""Game envs through their text interface: rules, invalid moves, seeding, formats."""
+
+import numpy as np
+import pytest
+
+from earl_jax import env as env_lib
+from earl_jax.config_lib import ConfigError
+from earl_jax.env import Outcome, games
+
+GARBAGE = [
+  "",
+  None,
+  b"\xff\xfe\x00",
+  "x" * 1_000_000,
+  "<move>" * 200_000,
+  "<move>7</move>",
+  "<move>-1</move>",
+  "<move>٣</move>",
+  "<move>" + "9" * 10_000 + "</move>",
+  "\ud800",
+]
+
+
+def _env(name="connect_four", **kwargs):
+  kwargs.setdefault("opponent", "first_legal")
+  kwargs.setdefault("model_side", "first")
+  return env_lib.make(name, **kwargs)
+
+
+def _play(env, moves, seed=0):
+  env.reset(seed)
+  results = [env.step(f"<move>{m}</move>") for m in moves]
+  assert [r.done for r in results] == [False] * (len(moves) - 1) + [True]
+  return results
+
+
+def test_connect_four_vertical_win():
+  results = _play(_env(), [3, 3, 3, 3])  # the first-legal opponent stacks column 0
+  assert [r.reward for r in results] == [0.0, 0.0, 0.0, 1.0]
+  assert results[-1].info["outcome"] == "win"
+  assert results[-1].observation.endswith("\nwin")
+
+
+def test_connect_four_loss():
+  results = _play(_env(), [6, 5, 6, 5])
+  assert results[-1].info["outcome"] == "loss" and results[-1].reward == -1.0
+  assert results[-1].info["opponent_action"] == 0
+
+
+def test_connect_four_draw_fills_the_board():
+  # Found by a depth-first search against the first-legal opponent: no four in a row, full board.
+  moves = [3, 3, 3, 0, 2, 2, 2, 5, 1, 1, 2, 5, 3, 6, 6, 6, 4, 4, 5, 5, 6]
+  results = _play(_env(draw_reward=0.25), moves)
+  assert results[-1].info["outcome"] == "draw" and results[-1].reward == 0.25
+  assert "." not in results[-1].observation
+
+
+def test_connect_four_full_column_is_illegal():
+  env = _env(max_retries=1)
+  env.reset(0)
+  for _ in range(3):
+    assert env.step("<move>0</move>").info["legal"]  # x, o, x, o, x, o: no four
+  assert 0 not in env.state.legal_actions()
+  bad = env.step("<move>0</move>")
+  assert (bad.done, bad.reward, bad.info["legal"]) == (False, -0.5, False)
+  assert bad.observation == "invalid; legal: 1 2 3 4 5 6"
+  ok = env.step("<move>1</move>")  # a legal move resets the retry count
+  assert ok.info["legal"] and ok.info["retries"] == 0
+
+
+def test_invalid_ends_the_episode_when_configured():
+  env = _env(on_invalid="end", invalid_penalty=-2.0)
+  env.reset(0)
+  result = env.step("<move>7</move>")
+  assert (result.done, result.reward, result.info["outcome"]) == (True, -2.0, "invalid")
+
+
+def test_retries_are_bounded():
+  env = _env(max_retries=2)
+  env.reset(0)
+  results = [env.step("nonsense") for _ in range(3)]
+  assert [r.done for r in results] == [False, False, True]
+  assert [r.reward for r in results] == [-0.5, -0.5, -0.5]
+  assert results[-1].info["outcome"] == Outcome.INVALID.value
+  with pytest.raises(RuntimeError, match="reset"):
+    env.step("<move>3</move>")
+
+
+@pytest.mark.parametrize("mode", ["tag", "lenient"])
+@pytest.mark.parametrize("value", GARBAGE, ids=range(len(GARBAGE)))
+def test_garbage_never_raises(value, mode):
+  env = _env(parse_mode=mode)
+  env.reset(0)
+  result = env.step(value)
+  assert not result.info["legal"] and not result.done and result.reward == -0.5
+
+
+@pytest.mark.parametrize("value", ["<answer>3</answer>", 3, "I will play 3 now", b"3"])
+def test_lenient_mode_reads_a_bare_digit(value):
+  tag_env, lenient_env = _env(), _env(parse_mode="lenient")
+  tag_env.reset(0)
+  lenient_env.reset(0)
+  assert not tag_env.step(value).info["legal"]
+  assert lenient_env.step(value).info["action"] == 3
+
+
+def test_tic_tac_toe_win_draw_loss():
+  win = _play(_env("tic_tac_toe"), [4, 2, 6])  # opponent takes 0, 1: x wins on the 2-4-6 diagonal
+  assert win[-1].info["outcome"] == "win"
+  draw = _play(_env("tic_tac_toe"), [3, 2, 4, 7, 8])
+  assert draw[-1].info["outcome"] == "draw" and draw[-1].reward == 0.0
+  loss = _play(_env("tic_tac_toe", model_side="second"), [3, 4])  # x takes 0, 1, 2
+  assert loss[-1].info["outcome"] == "loss" and loss[-1].observation.startswith("xxx")
+
+
+def test_tic_tac_toe_board_shows_free_cell_ids():
+  env = _env("tic_tac_toe", model_side="second")
+  assert env.reset(0) == "x12\n345\n678\no 0"
+  assert env.step("<move>0</move>").info["legal"] is False  # taken
+
+
+def test_sides():
+  alternate = _env(model_side="alternate")
+  alternate.reset(4)
+  assert alternate.model_player == 0
+  assert alternate.reset(7).endswith("o 0") and alternate.model_player == 1
+  second = _env(model_side="second", opponent="random")
+  second.reset(4)
+  assert second.model_player == 1 and len(second.state.history()) == 1
+
+
+def _trajectory(env, seed, moves=(3, 2, 4, 3, 1, 5)):
+  observations = [env.reset(seed)]
+  for move in moves:
+    result = env.step(f"<move>{move}</move>")
+    observations.append(result.observation)
+    if result.done:
+      break
+  return observations
+
+
+@pytest.mark.parametrize("opponent", ["random", "mcts"])
+def test_reset_seed_determines_the_episode(opponent):
+  env = _env(opponent=opponent, mcts_simulations=8, model_side="alternate", parse_mode="lenient")
+  first = [_trajectory(env, seed) for seed in range(4)]
+  assert first == [_trajectory(env, seed) for seed in range(4)]
+  assert len({tuple(t) for t in first}) > 1  # seeds give different episodes
+
+
+def test_mcts_opponent_beats_random_play():
+  env = _env("tic_tac_toe", opponent="mcts", mcts_simulations=100, model_side="alternate")
+  outcomes = []
+  for seed in range(10):
+    env.reset(seed)
+    rng = np.random.RandomState(seed)
+    result = None
+    while result is None or not result.done:
+      result = env.step(f"<move>{rng.choice(env.state.legal_actions())}</move>")
+    outcomes.append(result.info["outcome"])
+  # Measured 19 losses and 1 draw in 20 games; a random opponent would lose about half.
+  assert outcomes.count("loss") >= 7 and outcomes.count("win") <= 1
+
+
+def test_verbose_format():
+  env = _env(observation="verbose", model_side="second")
+  observation = env.reset(0)
+  assert observation.startswith("Connect Four. You play o. The opponent (x) played 0.")
+  assert "\n0123456\nLegal moves: 0 1 2 3 4 5 6\nAnswer with <move>N</move>." in observation
+  assert "<move>N</move>" in env.instructions
+  bad = env.step("<move>9</move>")
+  assert bad.observation.startswith("Invalid answer: 9 is not legal.")
+
+
+def test_custom_tag_and_compact_instructions():
+  env = _env(action_tag="m")
+  assert env.instructions == "Connect Four. x moves first. Answer <m>N</m>."
+  env.reset(0)
+  assert env.step("<m>2</m>").info["action"] == 2
+
+
+def test_register_game_in_a_few_lines():
+  name = "breakthrough_small_test"
+  spec = games.GameSpec(
+    openspiel_name="breakthrough",
+    title="Breakthrough",
+    rules="Move a piece; reach the far row to win.",
+    params={"rows": 4, "columns": 4},
+  )
+  games.register_game(name, spec)
+  try:
+    env = env_lib.make(name, opponent="random")
+    env.reset(1)
+    legal = env.state.legal_actions()
+    assert env.step(f"<move>{legal[0]}</move>").info["legal"]
+    with pytest.raises(ValueError, match="already registered"):
+      games.register_game(name, spec)
+  finally:
+    del games.GAMES[name]
+
+
+def test_config_validation():
+  with pytest.raises(ConfigError, match="mcts_simulations"):
+    games.GameEnvConfig(mcts_simulations=0)
+  with pytest.raises(ConfigError, match="action_tag"):
+    games.GameEnvConfig(action_tag="<m>")
+  with pytest.raises(ConfigError, match="invalid_penalty"):
+    games.GameEnvConfig(invalid_penalty=float("nan"))
+  with pytest.raises(ValueError, match="seed"):
+    _env().reset(-1)
