@@ -115,6 +115,7 @@ class MetricsWriter:
     self.workdir = pathlib.Path(workdir)
     if self.workdir.exists() and not self.workdir.is_dir():
       raise NotADirectoryError(f"metrics workdir {self.workdir} exists and is not a directory")
+    self.workdir.mkdir(parents=True, exist_ok=True)
     self._wandb = None
     if wandb_project:
       try:
@@ -127,7 +128,6 @@ class MetricsWriter:
       self._wandb = wandb.init(
         project=wandb_project, config=dict(config or {}), dir=str(self.workdir), resume="allow"
       )
-    self.workdir.mkdir(parents=True, exist_ok=True)
     for name in (METRICS_FILE, EVENTS_FILE):
       _truncate_jsonl(self.workdir / name, resume_step)
     self._metrics = open(self.workdir / METRICS_FILE, "a")  # noqa: SIM115 (closed in close())

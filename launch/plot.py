@@ -1,0 +1,163 @@
+r"""Plots of a run's metrics.jsonl / events.jsonl as PNGs (the last step of the metrics data flow).
+
+  python launch/plot.py --workdir W [--out W/plots]
+
+Writes, each only when its keys exist: reward.png (``reward/*``), eval_win_rate.png (one line per
+``eval/<opponent>/win_rate``), context_length.png (``context_len/mean``, ``context_len/max``),
+stage_times.png (``time/*`` stacked), selector_decisions.png (events of kind
+``selector_decision`` with fields stage, bucket, plan). Prints the paths written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # Headless: no display on training machines or in CI.
+
+import matplotlib.pyplot as plt  # After use(): the backend is fixed on import.
+import numpy as np
+
+from earl_jax import metrics as metrics_lib
+
+Rows = list[dict[str, Any]]
+
+
+def _series(rows: Rows, key: str) -> tuple[np.ndarray, np.ndarray]:
+  """(steps, values) of the rows that carry ``key``, in step order."""
+  points = sorted((r["step"], r[key]) for r in rows if key in r and r[key] is not None)
+  steps, values = zip(*points) if points else ((), ())
+  return np.asarray(steps), np.asarray(values, dtype=np.float64)
+
+
+def _keys(rows: Rows, keep: Callable[[str], bool]) -> list[str]:
+  return sorted({k for r in rows for k in r if k not in ("step", "time") and keep(k)})
+
+
+def _strip(prefix: str, suffix: str) -> Callable[[str], str]:
+  """Legend label of a key: the part between ``prefix`` and ``suffix`` (the opponent name)."""
+  return lambda key: key[len(prefix) : len(key) - len(suffix)]
+
+
+def _lines(
+  path: pathlib.Path,
+  rows: Rows,
+  keys: list[str],
+  title: str,
+  ylabel: str,
+  label: Callable[[str], str] = str,
+) -> pathlib.Path:
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for key in keys:
+    ax.plot(*_series(rows, key), marker=".", label=label(key))
+  ax.set(title=title, xlabel="step", ylabel=ylabel)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def _stage_times(path: pathlib.Path, rows: Rows, keys: list[str]) -> pathlib.Path:
+  timed = sorted((r for r in rows if any(k in r for k in keys)), key=lambda r: r["step"])
+  steps = np.asarray([r["step"] for r in timed])
+  # A stage not run at some step (e.g. eval) contributes 0 s there.
+  seconds_NxT = np.asarray([[float(r.get(k, 0.0)) for r in timed] for k in keys])
+  fig, ax = plt.subplots(figsize=(7, 4))
+  ax.stackplot(steps, seconds_NxT, labels=[k[len(metrics_lib.TIME_PREFIX) :] for k in keys])
+  ax.set(title="Stage wall time per step (stacked)", xlabel="step", ylabel="seconds")
+  ax.legend(fontsize="small", loc="upper left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def _selector_decisions(path: pathlib.Path, events: Rows) -> pathlib.Path:
+  """One row per stage; a point per decision, coloured by plan and labelled with its bucket."""
+  stages = sorted({str(e["stage"]) for e in events})
+  plans = sorted({str(e["plan"]) for e in events})
+  colors = plt.get_cmap("tab10")
+  fig, ax = plt.subplots(figsize=(8, 1.5 + 0.8 * len(stages)))
+  for i, plan in enumerate(plans):
+    mine = [e for e in events if str(e["plan"]) == plan]
+    ys = [stages.index(str(e["stage"])) for e in mine]
+    ax.scatter([e["step"] for e in mine], ys, color=colors(i % 10), label=plan, s=40)
+    for e, y in zip(mine, ys):
+      if "bucket" in e:
+        ax.annotate(
+          str(e["bucket"]),
+          (e["step"], y),
+          textcoords="offset points",
+          xytext=(0, 6),
+          ha="center",
+          fontsize="x-small",
+        )
+  ax.set_yticks(range(len(stages)), stages)
+  ax.set_ylim(-0.5, len(stages) - 0.5)
+  ax.set(title="Selector decisions (label: shape bucket)", xlabel="step")
+  ax.legend(title="plan", fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def plot_workdir(
+  workdir: str | pathlib.Path, out: str | pathlib.Path | None = None
+) -> list[pathlib.Path]:
+  """Writes every plot whose keys exist into ``out`` (default ``workdir/plots``); returns paths."""
+  rows = metrics_lib.read_metrics(workdir)
+  events = metrics_lib.read_events(workdir, kind="selector_decision")
+  out = pathlib.Path(workdir) / "plots" if out is None else pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  written = []
+  reward = _keys(rows, lambda k: k == "reward" or k.startswith("reward/"))
+  if reward:
+    written.append(_lines(out / "reward.png", rows, reward, "Reward", "reward"))
+  prefix, suffix = metrics_lib.EVAL_PREFIX, metrics_lib.WIN_RATE_SUFFIX
+  win = _keys(rows, lambda k: k.startswith(prefix) and k.endswith(suffix))
+  if win:
+    path = out / "eval_win_rate.png"
+    opponent = _strip(prefix, suffix)
+    written.append(_lines(path, rows, win, "Eval win rate per opponent", "win rate", opponent))
+  present = set(_keys(rows, lambda k: True))
+  context = [k for k in (metrics_lib.CONTEXT_MEAN_KEY, metrics_lib.CONTEXT_MAX_KEY) if k in present]
+  if context:
+    written.append(_lines(out / "context_length.png", rows, context, "Context length", "tokens"))
+  times = _keys(rows, lambda k: k.startswith(metrics_lib.TIME_PREFIX))
+  if times:
+    written.append(_stage_times(out / "stage_times.png", rows, times))
+  if events:
+    missing = [e for e in events if "stage" not in e or "plan" not in e]
+    if missing:
+      raise ValueError(f"selector_decision events need 'stage' and 'plan' fields: {missing[0]}")
+    written.append(_selector_decisions(out / "selector_decisions.png", events))
+  return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", required=True, help="run directory with metrics.jsonl")
+  parser.add_argument("--out", default=None, help="output folder (default: WORKDIR/plots)")
+  args = parser.parse_args(argv)
+  try:
+    paths = plot_workdir(args.workdir, args.out)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"plot.py: error: {e}", file=sys.stderr)
+    return 1
+  for path in paths:
+    print(path)
+  if not paths:
+    print(f"plot.py: no plottable keys in {args.workdir}", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
