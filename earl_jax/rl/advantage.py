@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from earl_jax.config_lib import ConfigError
 from earl_jax.rl.batches import AdvantageBatch, ScoredBatch
-from earl_jax.rl.losses import KLEstimator, kl_per_token
+from earl_jax.rl.kl import KLEstimator, kl_per_token
 from earl_jax.types import Array
 
 

@@ -9,8 +9,8 @@ Objectives, per policy token t (ratio rho_t = pi_new / pi_old, advantage A_t):
   pg_t = min(pg_t, -c A_t) where A_t < 0                                         (dual clip, c > 1)
   loss_t = pg_t + beta KL_t(pi_new || pi_ref) - entropy_coef H_t
 GRPO is this loss with ``kl_beta > 0`` on GRPO advantages (``advantage.AdvantageEstimator.GRPO``);
-the REINFORCE++ path instead folds the KL into the reward (``kl_per_token`` in
-``advantage.py``) and keeps ``kl_beta = 0`` here.
+the REINFORCE++ path instead folds the KL into the reward (``advantage.py``, with the same
+``kl.kl_per_token``) and keeps ``kl_beta = 0`` here.
 """
 
 from __future__ import annotations
@@ -23,23 +23,8 @@ import jax.numpy as jnp
 
 from earl_jax.config_lib import ConfigError
 from earl_jax.rl.batches import AdvantageBatch
+from earl_jax.rl.kl import KLEstimator, kl_per_token
 from earl_jax.types import Array
-
-# exp() of a log-ratio above this overflows float32 gradients long before it is meaningful; k3 is
-# computed on the log-ratio clamped to +-_MAX_LOG_RATIO (only pathological tokens are affected).
-_MAX_LOG_RATIO = 20.0
-
-
-class KLEstimator(enum.Enum):
-  """Schulman's estimators of KL(q || p) from samples x ~ q, with log r = log p(x) - log q(x).
-
-  k1 = -log r (unbiased, high variance, can be negative); k2 = (log r)^2 / 2 (biased, low
-  variance); k3 = (r - 1) - log r (unbiased, low variance, always >= 0).
-  """
-
-  K1 = "k1"
-  K2 = "k2"
-  K3 = "k3"
 
 
 class LossAggregation(enum.Enum):
@@ -48,32 +33,6 @@ class LossAggregation(enum.Enum):
   TOKEN_MEAN = "token_mean"  # sum over all policy tokens / number of policy tokens
   SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"  # mean over rows of each row's token mean
   SEQ_SUM_NORM = "seq_sum_norm"  # sum over all policy tokens / (B * constant), Dr. GRPO
-
-
-def kl_per_token(
-  logps_BxT: Array, ref_logps_BxT: Array, mask_BxT: Array, estimator: KLEstimator
-) -> Array:
-  """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi; 0 where mask is False.
-
-  Args:
-    logps_BxT: log pi(token) of the sampling policy (new policy in the loss, old policy when the
-      KL is folded into the reward).
-    ref_logps_BxT: log pi_ref(token) under the reference.
-    mask_BxT: the loss mask; other entries may hold anything (they are never read).
-    estimator: which of k1 / k2 / k3.
-  """
-  # log r = log pi_ref - log pi; zeroed off the mask first so padding cannot make inf or NaN.
-  log_r_BxT = jnp.where(mask_BxT, ref_logps_BxT - logps_BxT, 0.0)
-  if estimator is KLEstimator.K1:
-    kl_BxT = -log_r_BxT
-  elif estimator is KLEstimator.K2:
-    kl_BxT = 0.5 * jnp.square(log_r_BxT)
-  elif estimator is KLEstimator.K3:
-    clamped_BxT = jnp.clip(log_r_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    kl_BxT = jnp.expm1(clamped_BxT) - clamped_BxT
-  else:
-    raise ValueError(f"estimator {estimator!r}; allowed: {[e.name for e in KLEstimator]}")
-  return jnp.where(mask_BxT, kl_BxT, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

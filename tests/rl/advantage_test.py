@@ -8,7 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from earl_jax.config_lib import ConfigError
 from earl_jax.rl import advantage, batches
 from earl_jax.rl.advantage import AdvantageConfig, AdvantageEstimator
-from earl_jax.rl.losses import KLEstimator
+from earl_jax.rl.kl import KLEstimator
 from tests.rl.batches_test import random_scored_batch
 
 EPS = 1e-6
