@@ -10,7 +10,7 @@ from configs import base
 
 def get_config() -> ml_collections.ConfigDict:
   c = base.get_config()
-  c.model.vocab_size = 128  # the built-in character tokenizer's vocabulary fits in 128 ids
+  c.model.vocab_size = 105  # exactly the built-in character tokenizer (CharTokenizer().vocab_size)
   c.model.embed_dim = 96
   c.model.mlp_dim = 256
   c.model.num_layers = 2

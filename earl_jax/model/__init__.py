@@ -9,6 +9,13 @@ from earl_jax.model.kv_cache import (
   cache_partition_specs,
   init_cache,
 )
+from earl_jax.model.tokenizer import (
+  CharTokenizer,
+  HFTokenizer,
+  Tokenizer,
+  TokenizerError,
+  make_tokenizer,
+)
 from earl_jax.model.transformer import PAD_LOGIT, Decoder, decode_step, logits, prefill
 
 __all__ = [
@@ -16,14 +23,19 @@ __all__ = [
   "CACHE_KV_AXES",
   "CACHE_VALID_AXES",
   "PAD_LOGIT",
+  "CharTokenizer",
   "CheckpointError",
   "Decoder",
+  "HFTokenizer",
   "KVCache",
+  "Tokenizer",
+  "TokenizerError",
   "cache_partition_specs",
   "decode_step",
   "from_pretrained",
   "init_cache",
   "logits",
+  "make_tokenizer",
   "model_config_from_hf",
   "prefill",
 ]
