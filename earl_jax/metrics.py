@@ -68,7 +68,14 @@ def _truncate_jsonl(path: pathlib.Path, resume_step: int | None) -> None:
   lines = text.split("\n")
   complete = lines[:-1]  # The part after the last newline is empty or a torn write.
   if resume_step is not None:
-    complete = [line for line in complete if not line or json.loads(line)["step"] <= resume_step]
+    kept = []
+    for i, line in enumerate(complete):
+      try:
+        if line.strip() and json.loads(line)["step"] <= resume_step:
+          kept.append(line)
+      except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}:{i + 1} is not a JSON line with a 'step': {e!r}") from e
+    complete = kept
   new_text = "".join(line + "\n" for line in complete)
   if new_text != text:
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -109,6 +109,18 @@ def test_cadence_keep_and_existing_step(tmp_path):
   again.close()
 
 
+def test_async_save_owns_its_copy_so_the_caller_may_donate(tmp_path):
+  one = NamedSharding(_mesh((1, 1), jax.devices()[:1]), P())
+  x = jax.device_put(jnp.arange(50_000, dtype=jnp.float32), one)
+  with checkpoint_lib.Checkpointer(tmp_path, save_every=1, keep=1) as ckpt:
+    assert ckpt.save(1, state={"x": x}, meta={})
+    x.delete()  # what donating the buffer to the next step does
+    ckpt.wait()
+    abstract = {"x": jax.ShapeDtypeStruct((50_000,), jnp.float32, sharding=one)}
+    state, _ = ckpt.restore(abstract_state=abstract)
+  np.testing.assert_array_equal(state["x"], np.arange(50_000, dtype=np.float32))
+
+
 def test_errors_are_clear(tmp_path):
   one = NamedSharding(_mesh((1, 1), jax.devices()[:1]), P())
   abstract = {"x": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=one)}

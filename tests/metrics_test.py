@@ -107,6 +107,8 @@ def test_bad_values_and_missing_files_raise_clear_errors(tmp_path):
   (tmp_path / metrics_lib.METRICS_FILE).write_text('{"step": 1}\nnot json\n{"step": 2}\n')
   with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON line"):
     metrics_lib.read_metrics(tmp_path)
+  with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON line with a 'step'"):
+    metrics_lib.MetricsWriter(tmp_path, tensorboard=False, resume_step=1)
   a_file = tmp_path / "f"
   a_file.write_text("")
   with pytest.raises(NotADirectoryError):
