@@ -72,6 +72,7 @@ def test_grpo_matches_numpy(seed: int, scale_by_std: bool):
   np.testing.assert_allclose(ab.advantages_BxT, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(ab.returns_BxT, np.where(sb.loss_mask_BxT, sb.rewards_B[:, None], 0))
   assert np.all(np.asarray(ab.advantages_BxT)[5] == 0)  # fully masked row
+  assert np.all(np.asarray(ab.advantages_BxT)[3] == 0)  # row 5 left group 2 with one sample
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -172,7 +173,9 @@ def test_sharded_batch_gives_same_result(estimator: AdvantageEstimator):
   )
   assert len(sharded.rewards_B.sharding.device_set) == 8
   single = jax.device_put(sb, jax.devices()[0])
-  out_sharded = compute(sharded, cfg, num_groups=4)
+  compute(sharded, cfg, num_groups=4)  # compile first; then the run itself must stay on device
+  with jax.transfer_guard("disallow"):
+    out_sharded = compute(sharded, cfg, num_groups=4)
   out_single = compute(single, cfg, num_groups=4)
   assert out_sharded.advantages_BxT.sharding.is_equivalent_to(sharded.tokens_BxT.sharding, 2)
   np.testing.assert_allclose(
