@@ -2,6 +2,7 @@
 
 import string
 
+import numpy as np
 import pytest
 
 from earl_jax import env as env_lib
@@ -33,10 +34,13 @@ def test_connect_four_heuristic_beats_random():
 
 
 def test_random_policy_does_not_beat_random():
-  # The contrast that makes the test above meaningful: first-legal play wins far less often.
+  # The contrast that makes the test above meaningful: random play wins about half the games.
   env = env_lib.make("connect_four", opponent="random", model_side="alternate")
-  outcomes, _ = _play(env, lambda obs: f"<move>{min(env.state.legal_actions())}</move>", range(50))
-  assert outcomes.count("win") < 45
+  rng = np.random.RandomState(0)
+  outcomes, _ = _play(
+    env, lambda obs: f"<move>{rng.choice(env.state.legal_actions())}</move>", range(50)
+  )
+  assert outcomes.count("win") < 35
 
 
 def test_heuristic_wins_and_blocks():
