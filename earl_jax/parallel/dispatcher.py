@@ -1,0 +1,423 @@
+"""The layout-aware data dispatcher: moves pytrees between stage layouts without the host.
+
+Data flow: rollout batch -> reference layout, scored batch -> update layout, and the weight sync
+update -> rollout (``sync_weights``) all go through ``dispatch``. The route is planned per leaf
+from shardings alone (DESIGN.md "Dispatcher facts"): ``jax.device_put`` silently gathers on the
+host unless the target blocks are source blocks or only the device order changes, and jit needs
+one device list, so
+
+  noop      source sharding already equivalent to the target
+  put       device_put: every target block is a source block (or only device order changes)
+  jit       jitted identity with out_shardings on the same device list (on-device re-layout)
+  put_jit   across device sets, |dst| a multiple of |src|: move blocks in the source layout onto
+            the target devices (host-free), then re-layout there
+  jit_put   across device sets, |src| a multiple of |dst|: re-layout on the source devices to
+            the target blocks, then move them
+  assemble  multi-process, dst devices inside src devices: on-device reorder so the dst devices
+            hold the dst blocks, then take those buffers (no copy)
+  union     multi-process, other device sets: one jit over src + dst devices moves the blocks
+            (cross-process collectives), then the dst buffers are taken
+
+``mode="centralized"`` is the single-controller baseline (everything through process 0's host),
+for benchmarks and tests only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from earl_jax.parallel import blocks
+from earl_jax.parallel.balance import balance_permutation, inverse_permutation, tokens_per_shard
+from earl_jax.parallel.mesh import state_shardings
+from earl_jax.parallel.plan import StagePlan
+
+__all__ = [
+  "DispatchError",
+  "DispatchStats",
+  "balance_permutation",
+  "dispatch",
+  "inverse_permutation",
+  "sync_weights",
+]
+
+
+class DispatchError(ValueError):
+  """A move the dispatcher cannot do without the host (or an inconsistent request)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchStats:
+  """What one dispatch did. Byte counts are global (all processes), computed from shardings."""
+
+  mode: str
+  bytes_total: int  # logical size of the tree
+  bytes_moved: int  # bytes that changed device (over all hops)
+  bytes_through_host: int  # 0 in direct mode
+  bytes_busiest_process: int  # max over processes of bytes its devices sent or received
+  num_transfers: int  # device-to-device pieces (direct) or host gathers + scatters (centralized)
+  routes: tuple[tuple[str, str], ...]  # (leaf path, route)
+  seconds: float
+  metadata_bytes_from_host: int = 0  # the uploaded permutation, if any
+  tokens_per_shard_before: tuple[int, ...] = ()
+  tokens_per_shard_after: tuple[int, ...] = ()
+
+  def route_counts(self) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _, route in self.routes:
+      counts[route] = counts.get(route, 0) + 1
+    return counts
+
+
+@functools.lru_cache(maxsize=512)
+def _identity(dst: Sharding) -> Any:
+  return jax.jit(lambda a: a, out_shardings=dst)
+
+
+@functools.lru_cache(maxsize=512)
+def _gather(dst: Sharding) -> Any:
+  return jax.jit(lambda a, p: jnp.take(a, p, axis=0), out_shardings=dst)
+
+
+@functools.lru_cache(maxsize=512)
+def _union_fn(out: Sharding, row: int, rows: int) -> Any:
+  def place(y: jax.Array) -> jax.Array:
+    return jnp.zeros((rows, *y.shape[1:]), y.dtype).at[row].set(y[0])
+
+  return jax.jit(place, out_shardings=out)
+
+
+def _devices(sharding: Sharding) -> list[jax.Device]:
+  return list(sharding._device_assignment)
+
+
+def _grid(devices: Sequence[jax.Device], shape: Sequence[int]) -> np.ndarray:
+  return np.array(list(devices), dtype=object).reshape(tuple(shape))
+
+
+def _take_buffers(y: jax.Array, devices: set[jax.Device], drop_lead: bool) -> list[jax.Array]:
+  out = []
+  for shard in y.addressable_shards:
+    if shard.device in devices:
+      out.append(shard.data.reshape(shard.data.shape[1:]) if drop_lead else shard.data)
+  return out
+
+
+def _plan_route(x: jax.Array, dst: Sharding) -> str:
+  src, shape = x.sharding, x.shape
+  if src == dst or blocks.equivalent(src, dst, shape):
+    return "noop"
+  same_set = src.device_set == dst.device_set
+  if same_set and _devices(src) == _devices(dst):
+    return "put" if blocks.blocks_line_up(src, dst, shape) else "jit"
+  if same_set:
+    return "put"  # jax reorders shards on device, then re-layouts with a jit
+  n_src, n_dst = len(src.device_set), len(dst.device_set)
+  if x.is_fully_addressable and dst.is_fully_addressable:
+    if blocks.blocks_line_up(src, dst, shape):
+      return "put"
+    if n_dst % n_src == 0:
+      return "put_jit"
+    if n_src % n_dst == 0:
+      return "jit_put"
+  elif dst.device_set < src.device_set and n_src % n_dst == 0:
+    return "assemble"
+  else:
+    return "union"
+  raise DispatchError(
+    f"cannot move a {shape} array from {n_src} to {n_dst} other devices on device: "
+    "use device sets whose sizes are multiples of each other"
+  )
+
+
+def _assemble_sharding(src: Sharding, dst: NamedSharding) -> NamedSharding:
+  """Over src's devices, dst devices first (in dst order): the dst layout, replicated."""
+  dst_devices = _devices(dst)
+  rest = [d for d in _devices(src) if d not in dst.device_set]
+  copies = len(src.device_set) // len(dst_devices)
+  mesh = Mesh(
+    _grid(dst_devices + rest, (copies, *dst.mesh.devices.shape)), ("_copy", *dst.mesh.axis_names)
+  )
+  return NamedSharding(mesh, PartitionSpec(None, *dst.spec))
+
+
+def _union_move(x: jax.Array, dst: NamedSharding) -> tuple[jax.Array, blocks.MoveCost]:
+  src = blocks.as_named(x.sharding)
+  src_devices, dst_devices = _devices(src), _devices(dst)
+  union = src_devices + [d for d in dst_devices if d not in src.device_set]
+  n_u, n_d = len(union), len(dst_devices)
+  row = next(
+    (j for j in range(n_u // n_d) if set(union[j * n_d : (j + 1) * n_d]) == dst.device_set), None
+  )
+  if n_u % len(src_devices) or n_u % n_d or row is None:
+    raise DispatchError(
+      f"multi-process move from devices {[d.id for d in src_devices]} to "
+      f"{[d.id for d in dst_devices]} is not supported on device: the destination must be a "
+      "subset of the source, contain it, or be disjoint and of the same size"
+    )
+  rows_in, rows_out = n_u // len(src_devices), n_u // n_d
+  y_sharding = NamedSharding(
+    Mesh(_grid(union, (rows_in, *src.mesh.devices.shape)), ("_row", *src.mesh.axis_names)),
+    PartitionSpec("_row", *src.spec),
+  )
+  block = src.shard_shape(x.shape)
+  local = [s.data.reshape((1, *block)) for s in x.addressable_shards]
+  local += [
+    jnp.zeros((1, *block), x.dtype, device=d)
+    for d in union[len(src_devices) :]
+    if d.process_index == jax.process_index()
+  ]
+  y = jax.make_array_from_single_device_arrays((rows_in, *x.shape), y_sharding, local)
+  out_sharding = NamedSharding(
+    Mesh(_grid(union, (rows_out, *dst.mesh.devices.shape)), ("_row", *dst.mesh.axis_names)),
+    PartitionSpec("_row", *dst.spec),
+  )
+  out = _union_fn(out_sharding, row, rows_out)(y)
+  chunk = union[row * n_d : (row + 1) * n_d]
+  chunk_sharding = NamedSharding(
+    Mesh(_grid(chunk, dst.mesh.devices.shape), dst.mesh.axis_names), dst.spec
+  )
+  z = jax.make_array_from_single_device_arrays(
+    x.shape, chunk_sharding, _take_buffers(out, dst.device_set, drop_lead=True)
+  )
+  cost = blocks.move_cost(x.sharding, chunk_sharding, x.shape, x.dtype.itemsize)
+  if chunk != dst_devices:
+    z = jax.device_put(z, dst)
+  return z, cost
+
+
+def _move(x: jax.Array, dst: Sharding, route: str) -> tuple[jax.Array, blocks.MoveCost]:
+  """Executes ``route`` for one leaf; returns the moved array and its cost."""
+  item, shape = x.dtype.itemsize, x.shape
+  if route == "noop":
+    return (x if x.sharding == dst else jax.device_put(x, dst)), blocks.MoveCost()
+  if route == "put":
+    return jax.device_put(x, dst), blocks.move_cost(x.sharding, dst, shape, item)
+  if route == "jit":
+    return _identity(dst)(x), blocks.move_cost(x.sharding, dst, shape, item)
+  dst_named = blocks.as_named(dst)
+  if route == "put_jit":
+    mid = blocks.with_devices(blocks.as_named(x.sharding), _devices(dst_named))
+    y = _identity(dst)(jax.device_put(x, mid))
+  elif route == "jit_put":
+    copies = len(x.sharding.device_set) // len(dst.device_set)
+    grid = _grid(_devices(x.sharding), (*dst_named.mesh.devices.shape, copies))
+    mid = NamedSharding(Mesh(grid, (*dst_named.mesh.axis_names, "_copy")), dst_named.spec)
+    y = jax.device_put(_identity(mid)(x), dst)
+  elif route == "assemble":
+    mid = _assemble_sharding(x.sharding, dst_named)
+    moved = jax.device_put(x, mid)
+    bufs = _take_buffers(moved, dst.device_set, drop_lead=False)
+    y = jax.make_array_from_single_device_arrays(shape, dst, bufs)
+  elif route == "union":
+    return _union_move(x, dst_named)
+  else:
+    raise AssertionError(route)
+  cost = blocks.move_cost(x.sharding, mid, shape, item)
+  cost.add(blocks.move_cost(mid, dst, shape, item))
+  return y, cost
+
+
+def _not_participating(x: jax.Array, dst: Sharding) -> bool:
+  me = jax.process_index()
+  return all(d.process_index != me for d in x.sharding.device_set | dst.device_set)
+
+
+def _move_direct(x: jax.Array, dst: Sharding) -> tuple[jax.Array, str, blocks.MoveCost]:
+  # Device-to-device copies are this module's job; the host guards of a caller's
+  # jax.transfer_guard("disallow_explicit") stay active, so a host fallback still raises.
+  with jax.transfer_guard_device_to_device("allow"):
+    return _move_direct_unguarded(x, dst)
+
+
+def _move_direct_unguarded(x: jax.Array, dst: Sharding) -> tuple[jax.Array, str, blocks.MoveCost]:
+  route = _plan_route(x, dst)
+  if _not_participating(x, dst):
+    # This process holds no block of either side; it only needs the global array object.
+    cost = blocks.MoveCost() if route == "noop" else _global_cost(x, dst, route)
+    return jax.make_array_from_single_device_arrays(x.shape, dst, []), route, cost
+  y, cost = _move(x, dst, route)
+  return y, route, cost
+
+
+def _global_cost(x: jax.Array, dst: Sharding, route: str) -> blocks.MoveCost:
+  if route == "assemble":
+    mid = _assemble_sharding(x.sharding, blocks.as_named(dst))
+    return blocks.move_cost(x.sharding, mid, x.shape, x.dtype.itemsize)
+  return blocks.move_cost(x.sharding, dst, x.shape, x.dtype.itemsize)
+
+
+def _move_centralized(x: jax.Array, dst: Sharding, perm_B: np.ndarray | None) -> jax.Array:
+  """Single-controller baseline: the whole leaf to the host as numpy, then a host scatter."""
+  host = np.asarray(
+    x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
+  )
+  if perm_B is not None:
+    host = host[perm_B]
+  return jax.make_array_from_callback(x.shape, dst, lambda index: host[index])
+
+
+def _check_leaves(leaves: list[Any], dsts: list[Any], perm_B: np.ndarray | None) -> None:
+  if len(leaves) != len(dsts):
+    raise DispatchError(f"tree has {len(leaves)} leaves but dst_shardings has {len(dsts)}")
+  for i, (x, dst) in enumerate(zip(leaves, dsts)):
+    if not isinstance(x, jax.Array) or not isinstance(dst, Sharding):
+      raise DispatchError(f"leaf {i}: need a jax.Array and a Sharding, got {type(x)}, {type(dst)}")
+    try:
+      dst.shard_shape(x.shape)
+    except ValueError as e:
+      raise DispatchError(f"leaf {i} of shape {x.shape} does not divide {dst}: {e}") from None
+    if perm_B is not None and (x.ndim == 0 or x.shape[0] != perm_B.shape[0]):
+      raise DispatchError(
+        f"leaf {i} has shape {x.shape}; permutation= needs every leaf to lead with the batch "
+        f"dimension B={perm_B.shape[0]}"
+      )
+
+
+def _apply_permutation(
+  ys: list[jax.Array], perm_B: np.ndarray
+) -> tuple[list[jax.Array], int, blocks.MoveCost]:
+  """On-device gather along the batch axis; the int32 permutation is the only upload."""
+  uploaded: dict[Any, jax.Array] = {}
+  out, cost = [], blocks.MoveCost()
+  for y in ys:
+    named = blocks.as_named(y.sharding)
+    if named.mesh not in uploaded:
+      with jax.transfer_guard("allow"):  # host metadata, B int32 values, by design
+        uploaded[named.mesh] = jax.device_put(perm_B, NamedSharding(named.mesh, PartitionSpec()))
+    with jax.transfer_guard_device_to_device("allow"):
+      out.append(_gather(y.sharding)(y, uploaded[named.mesh]))
+    # Rows that leave their shard: every byte of a shard-crossing row moves once.
+    rows = y.shape[0] // max(1, len({b[0] for b in blocks.block_map(y.sharding, y.shape).values()}))
+    crossing = int(np.sum(perm_B // rows != np.arange(perm_B.shape[0]) // rows))
+    cost.bytes_moved += crossing * (y.nbytes // y.shape[0])
+  return out, len(uploaded) * perm_B.nbytes, cost
+
+
+def dispatch(
+  tree: Any,
+  dst_shardings: Any,
+  *,
+  mode: str = "direct",
+  permutation: np.ndarray | None = None,
+  lengths_B: np.ndarray | None = None,
+) -> tuple[Any, DispatchStats]:
+  """Moves every leaf of ``tree`` to the matching sharding of ``dst_shardings`` (same structure).
+
+  Args:
+    tree: pytree of jax.Array (an nnx.State works).
+    dst_shardings: pytree of Sharding with the tree's structure.
+    mode: "direct" (host-free routes) or "centralized" (host baseline, benchmarks/tests only).
+    permutation: optional ``perm_B``; the result holds ``leaf[perm_B]`` for every leaf (all lead
+      with the batch axis). Undo with ``inverse_permutation(perm_B)``.
+    lengths_B: optional real-token counts per sample, to report tokens per destination shard.
+
+  Returns:
+    (moved tree, DispatchStats). Time is measured after ``block_until_ready``.
+  """
+  if mode not in ("direct", "centralized"):
+    raise DispatchError(f"mode={mode!r}; allowed: 'direct', 'centralized'")
+  perm_B = None if permutation is None else np.asarray(permutation, dtype=np.int32)
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = [x for _, x in leaves_with_path]
+  dsts = treedef.flatten_up_to(dst_shardings)
+  _check_leaves(leaves, dsts, perm_B)
+  start = time.perf_counter()
+  if mode == "centralized":
+    out = [_move_centralized(x, dst, perm_B) for x, dst in zip(leaves, dsts)]
+    stats_fn = functools.partial(_centralized_stats, leaves, dsts)
+  else:
+    moved = [_move_direct(x, dst) for x, dst in zip(leaves, dsts)]
+    out = [y for y, _, _ in moved]
+    cost = blocks.MoveCost()
+    for _, _, c in moved:
+      cost.add(c)
+    metadata = 0
+    if perm_B is not None:
+      out, metadata, perm_cost = _apply_permutation(out, perm_B)
+      cost.add(perm_cost)
+    routes = tuple(
+      (jax.tree_util.keystr(p), r) for (p, _), (_, r, _) in zip(leaves_with_path, moved)
+    )
+    stats_fn = functools.partial(_direct_stats, leaves, cost, routes, metadata)
+  jax.block_until_ready(out)
+  seconds = time.perf_counter() - start
+  stats = stats_fn(seconds)
+  if lengths_B is not None and dsts:
+    stats = _with_tokens(stats, np.asarray(lengths_B), perm_B, dsts[0], leaves[0].shape)
+  return jax.tree_util.tree_unflatten(treedef, out), stats
+
+
+def _direct_stats(
+  leaves: list[jax.Array],
+  cost: blocks.MoveCost,
+  routes: tuple[tuple[str, str], ...],
+  metadata: int,
+  seconds: float,
+) -> DispatchStats:
+  return DispatchStats(
+    mode="direct",
+    bytes_total=sum(x.nbytes for x in leaves),
+    bytes_moved=cost.bytes_moved,
+    bytes_through_host=0,
+    bytes_busiest_process=max(cost.bytes_by_process.values(), default=0),
+    num_transfers=cost.transfers,
+    routes=routes,
+    seconds=seconds,
+    metadata_bytes_from_host=metadata,
+  )
+
+
+def _centralized_stats(
+  leaves: list[jax.Array], dsts: list[Sharding], seconds: float
+) -> DispatchStats:
+  gathered = sum(x.nbytes for x in leaves)
+  scattered = sum(
+    blocks.total_block_bytes(d, x.shape, x.dtype.itemsize) for x, d in zip(leaves, dsts)
+  )
+  gathers = sum(len({b for b in blocks.block_map(x.sharding, x.shape).values()}) for x in leaves)
+  scatters = sum(len(d.device_set) for d in dsts)
+  return DispatchStats(
+    mode="centralized",
+    bytes_total=gathered,
+    bytes_moved=gathered + scattered,
+    bytes_through_host=gathered + scattered,
+    bytes_busiest_process=gathered + scattered,  # process 0 receives and sends everything
+    num_transfers=gathers + scatters,
+    routes=tuple((f"leaf{i}", "host") for i in range(len(leaves))),
+    seconds=seconds,
+  )
+
+
+def _with_tokens(
+  stats: DispatchStats,
+  lengths_B: np.ndarray,
+  perm_B: np.ndarray | None,
+  dst: Sharding,
+  shape: tuple[int, ...],
+) -> DispatchStats:
+  num_shards = len({b[0] for b in blocks.block_map(dst, shape).values()})
+  after_B = lengths_B if perm_B is None else lengths_B[perm_B]
+  return dataclasses.replace(
+    stats,
+    tokens_per_shard_before=tokens_per_shard(lengths_B, num_shards),
+    tokens_per_shard_after=tokens_per_shard(after_B, num_shards),
+  )
+
+
+def sync_weights(
+  params_state: nnx.State, dst_plan: StagePlan, *, mode: str = "direct"
+) -> tuple[nnx.State, DispatchStats]:
+  """Weight sync (update -> rollout): the state moved to ``dst_plan``'s parameter shardings."""
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
+  return dispatch(params_state, state_shardings(abstract, dst_plan), mode=mode)
