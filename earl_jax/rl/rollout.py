@@ -1,0 +1,296 @@
+"""The multi-turn rollout: the policy plays a batch of episodes against host-side environments.
+
+Data flow: episodes (seed, group) --> [turn loop: generate on device, env.step on host] -->
+RolloutBatch (packed, right-padded sequences) + per-episode stats. This module is the only place
+where environment text meets token ids, and it is token-in/token-out: the ids the sampler produced
+are the ids trained on, environment text is tokenised exactly once when it is appended, and
+nothing is ever re-tokenised from decoded text.
+
+The KV cache lives across turns: each turn only the new context (the environment's answer and the
+next assistant header) is prefilled after what the row already holds. ``num_slots`` episodes run
+concurrently; when one finishes, its slot is reset and the next waiting episode starts there, so
+the batch stays full. An episode that would run past its token budget or the cache is truncated
+and marked, never crashes the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from earl_jax.config_lib import ConfigError
+from earl_jax.rl import batches
+
+GenerateFn = Callable[..., tuple[Any, Any]]  # (cache, prompt, mask, positions, active, rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  num_slots: int = 8  # episodes decoded concurrently (rows of the rollout batch)
+  max_turns: int = 8  # model turns per episode before it is cut (outcome "max_turns")
+  max_new_tokens: int = 16  # per model turn
+  max_context: int = 512  # token budget of one episode (prompt + every turn); truncated beyond
+  chunk_multiple: int = 16  # new-context chunks are padded up to a multiple (bounds recompiles)
+  seq_multiple: int = 64  # packed sequences are padded up to a multiple (the length bucket)
+
+  def __post_init__(self):
+    for key in (
+      "num_slots",
+      "max_turns",
+      "max_new_tokens",
+      "max_context",
+      "chunk_multiple",
+      "seq_multiple",
+    ):
+      value = getattr(self, key)
+      if value < 1:
+        raise ConfigError(key, value, "a positive int")
+    if self.max_new_tokens >= self.max_context:
+      raise ConfigError("max_new_tokens", self.max_new_tokens, f"< max_context={self.max_context}")
+
+  def cache_len(self) -> int:
+    """Cache slots per row. Rows are compact (padding takes no slot), so the budget is enough."""
+    return self.max_context
+
+
+class TurnFormat(Protocol):
+  """Turns environment text into the token ids appended to the context (once, never re-encoded)."""
+
+  def first(self, system: str, observation: str) -> list[int]: ...
+
+  def next(self, observation: str, stopped: bool) -> list[int]: ...
+
+  def action_text(self, ids: Sequence[int]) -> str: ...
+
+
+class Env(Protocol):
+  @property
+  def instructions(self) -> str: ...
+
+  def reset(self, seed: int) -> str: ...
+
+  def step(self, action_text: str) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+  seed: int  # env seed: determines the episode (opponent included)
+  group_id: int  # episodes sharing an id form one advantage group
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+  seed: int
+  group_id: int
+  turns: int = 0
+  context_len: int = 0
+  reward: float = 0.0
+  outcome: str = ""
+  truncated: bool = False
+  invalid_moves: int = 0
+
+
+@dataclasses.dataclass
+class _Episode:
+  spec: EpisodeSpec
+  stats: EpisodeStats
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  loss_mask: list[bool] = dataclasses.field(default_factory=list)
+  logps: list[float] = dataclasses.field(default_factory=list)
+  turn_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (index, r)
+  pending: list[int] = dataclasses.field(default_factory=list)  # context to prefill next turn
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@jax.jit
+def _reset_rows(cache: Any, reset_B: jax.Array) -> Any:
+  return cache.replace(
+    valid_BxS=cache.valid_BxS & ~reset_B[:, None], end_B=jnp.where(reset_B, 0, cache.end_B)
+  )
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  batch: batches.RolloutBatch
+  episodes: list[EpisodeStats]
+  seconds: float
+  generated_tokens: int
+  turns: int  # generate calls
+
+
+def run_rollout(
+  generate: GenerateFn,
+  cache: Any,
+  envs: Sequence[Env],
+  fmt: TurnFormat,
+  episodes: Sequence[EpisodeSpec],
+  cfg: RolloutConfig,
+  rng: jax.Array,
+  *,
+  pad_id: int,
+) -> tuple[RolloutResult, Any]:
+  """Plays every episode in ``episodes``, ``cfg.num_slots`` at a time; returns the packed batch.
+
+  Args:
+    generate: the jitted engine with parameters bound: ``(cache, prompt_BxP, mask_BxP,
+      positions_BxP, active_B, rng) -> (GenerateOutput, cache)``.
+    cache: an empty KV cache with ``cfg.num_slots`` rows of at least ``cfg.cache_len()`` slots.
+    envs: one environment instance per slot.
+    fmt: the prompt format (chat template or the compact plain format).
+    episodes: what to play; rows of the result follow this order.
+    cfg: budgets.
+    rng: PRNG key for sampling.
+    pad_id: padding token id of the packed batch.
+
+  Returns:
+    (RolloutResult, cache) — the cache is handed back so the next step can reuse its buffers.
+  """
+  if len(envs) != cfg.num_slots:
+    raise ValueError(f"need one env per slot: {len(envs)} envs for num_slots={cfg.num_slots}")
+  start = time.perf_counter()
+  cache_len = cache.valid_BxS.shape[1]
+  queue = collections.deque(enumerate(episodes))
+  slots: list[tuple[int, _Episode] | None] = [None] * cfg.num_slots
+  done: dict[int, _Episode] = {}
+  generated = calls = 0
+  while queue or any(slots):
+    reset = np.zeros(cfg.num_slots, bool)
+    for i in range(cfg.num_slots):
+      while slots[i] is None and queue:
+        index, spec = queue.popleft()
+        ep = _Episode(spec, EpisodeStats(seed=spec.seed, group_id=spec.group_id))
+        ep.pending = fmt.first(envs[i].instructions, envs[i].reset(spec.seed))
+        slots[i], reset[i] = (index, ep), True
+        if not _fits(ep, cfg, cache_len):  # the very first prompt is already too long
+          _finish(ep, "truncated", truncated=True)
+          done[index], slots[i] = ep, None
+    if not any(slots):
+      break
+    if reset.any():
+      cache = _reset_rows(cache, jnp.asarray(reset))
+    prompt, mask, positions, active = _chunk_arrays(slots, cfg, pad_id)
+    rng, key = jax.random.split(rng)
+    out, cache = generate(cache, prompt, mask, positions, active, key)
+    out = jax.device_get(out)  # B x max_new_tokens ids and log-probs: the host needs the text
+    calls += 1
+    for i, slot in enumerate(slots):
+      if slot is None:
+        continue
+      index, ep = slot
+      generated += int(out.lengths_B[i])
+      finished = _apply_turn(ep, envs[i], fmt, out, i, cfg)
+      if not finished and not _fits(ep, cfg, cache_len):
+        _finish(ep, "truncated", truncated=True)
+        finished = True
+      if finished:
+        done[index], slots[i] = ep, None
+  records = [done[i] for i in range(len(episodes))]
+  batch = _pack(records, cfg, pad_id)
+  result = RolloutResult(
+    batch, [r.stats for r in records], time.perf_counter() - start, generated, calls
+  )
+  return result, cache
+
+
+def _fits(ep: _Episode, cfg: RolloutConfig, cache_len: int) -> bool:
+  """Whether the pending context plus a full turn fits the episode budget and the cache row.
+
+  A cache row holds exactly the episode's tokens (padding takes no slot, see model/kv_cache.py).
+  """
+  return len(ep.tokens) + len(ep.pending) + cfg.max_new_tokens <= min(cfg.max_context, cache_len)
+
+
+def _chunk_arrays(slots, cfg: RolloutConfig, pad_id: int):
+  b = len(slots)
+  width = max(len(s[1].pending) for s in slots if s is not None)
+  p = _round_up(width, cfg.chunk_multiple)
+  prompt = np.full((b, p), pad_id, np.int32)
+  mask = np.zeros((b, p), bool)
+  positions = np.zeros((b, p), np.int32)
+  active = np.zeros((b,), bool)
+  for i, slot in enumerate(slots):
+    if slot is None:
+      continue
+    ep = slot[1]
+    n = len(ep.pending)
+    prompt[i, :n] = ep.pending
+    mask[i, :n] = True
+    positions[i, :n] = np.arange(len(ep.tokens), len(ep.tokens) + n)
+    active[i] = True
+  return jnp.asarray(prompt), jnp.asarray(mask), jnp.asarray(positions), jnp.asarray(active)
+
+
+def _apply_turn(
+  ep: _Episode, env: Env, fmt: TurnFormat, out: Any, i: int, cfg: RolloutConfig
+) -> bool:
+  """Records the prefilled chunk and the sampled turn, steps the env; True if the episode ended."""
+  ep.tokens += ep.pending
+  ep.loss_mask += [False] * len(ep.pending)
+  ep.logps += [0.0] * len(ep.pending)
+  n = int(out.lengths_B[i])
+  ids = [int(t) for t in out.tokens_BxN[i, :n]]
+  ep.tokens += ids
+  ep.loss_mask += [True] * n
+  ep.logps += [float(x) for x in out.logps_BxN[i, :n]]
+  ep.stats.turns += 1
+  result = env.step(fmt.action_text(ids))
+  ep.stats.reward += float(result.reward)
+  ep.turn_rewards.append((len(ep.tokens) - 1, float(result.reward)))
+  if result.info.get("legal") is False:
+    ep.stats.invalid_moves += 1
+  if result.done:
+    _finish(ep, str(result.info.get("outcome")))
+    return True
+  if ep.stats.turns >= cfg.max_turns:
+    _finish(ep, "max_turns", truncated=True)
+    return True
+  ep.pending = fmt.next(result.observation, bool(out.stopped_B[i]))
+  return False
+
+
+def _finish(ep: _Episode, outcome: str, *, truncated: bool = False) -> None:
+  ep.stats.outcome, ep.stats.truncated = outcome, truncated
+  ep.stats.context_len = len(ep.tokens)
+  ep.pending = []
+
+
+def _pack(records: Sequence[_Episode], cfg: RolloutConfig, pad_id: int) -> batches.RolloutBatch:
+  """Packs episodes into right-padded [E, T] arrays, T bucketed to ``cfg.seq_multiple``."""
+  e = len(records)
+  t = _round_up(max([len(r.tokens) for r in records] + [1]), cfg.seq_multiple)
+  tokens = np.full((e, t), pad_id, np.int32)
+  valid = np.zeros((e, t), bool)
+  loss_mask = np.zeros((e, t), bool)
+  logps = np.zeros((e, t), np.float32)
+  token_rewards = np.zeros((e, t), np.float32)
+  for j, r in enumerate(records):
+    n = len(r.tokens)
+    tokens[j, :n], valid[j, :n], loss_mask[j, :n], logps[j, :n] = (
+      r.tokens,
+      True,
+      r.loss_mask,
+      r.logps,
+    )
+    for index, reward in r.turn_rewards:
+      token_rewards[j, index] += reward
+  positions = np.broadcast_to(np.arange(t, dtype=np.int32), (e, t)) * valid
+  return batches.RolloutBatch(
+    tokens_BxT=tokens,
+    positions_BxT=positions.astype(np.int32),
+    valid_BxT=valid,
+    loss_mask_BxT=loss_mask,
+    sampler_logps_BxT=logps,
+    rewards_B=np.asarray([r.stats.reward for r in records], np.float32),
+    group_ids_B=np.asarray([r.spec.group_id for r in records], np.int32),
+    token_rewards_BxT=token_rewards,
+  )

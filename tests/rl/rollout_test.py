@@ -1,0 +1,120 @@
+"""The multi-turn rollout with a tiny model against real environments.
+
+Token-in/token-out is checked by recording what the sampler produced: exactly those ids, and only
+those, carry the loss mask in the packed batch; the env text is the format's one-time encoding.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from earl_jax import env as env_lib
+from earl_jax import model as model_lib
+from earl_jax.config_lib import ModelConfig
+from earl_jax.rl import reference, rollout, turn_format
+from earl_jax.sampler import engine, sampling
+
+TOK = model_lib.CharTokenizer()
+CFG = ModelConfig(
+  vocab_size=TOK.vocab_size, embed_dim=32, mlp_dim=48, num_layers=1, num_heads=2, num_kv_heads=1,
+  head_dim=16, vocab_multiple=8,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+  return model_lib.Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+def _generate(model, spec, record):
+  graphdef, state = nnx.split(model)
+  fn = engine.make_generate_fn(graphdef, spec)
+
+  def generate(cache, *args):
+    out, cache = fn(state, cache, *args)
+    record.append(jax.device_get(out))
+    return out, cache
+
+  return generate
+
+
+def _play(model, cfg, episodes, game="tic_tac_toe", temperature=1.0, max_new=6):
+  envs = [env_lib.make(game, parse_mode="lenient") for _ in range(cfg.num_slots)]
+  fmt = turn_format.PlainFormat(TOK)
+  spec = engine.GenerationSpec.with_stop_ids(
+    TOK.stop_ids, strategy=sampling.Temperature(temperature), max_new_tokens=max_new
+  )
+  record = []
+  cache = model_lib.init_cache(CFG, cfg.num_slots, cfg.cache_len())
+  result, _ = rollout.run_rollout(
+    _generate(model, spec, record),
+    cache,
+    envs,
+    fmt,
+    episodes,
+    cfg,
+    jax.random.key(0),
+    pad_id=TOK.pad_id,
+  )
+  return result, record
+
+
+def test_batch_is_exactly_the_sampled_tokens_interleaved_with_env_tokens(model):
+  cfg = rollout.RolloutConfig(num_slots=3, max_turns=4, max_new_tokens=6, max_context=256)
+  episodes = [rollout.EpisodeSpec(seed=s, group_id=s // 2) for s in range(5)]  # 5 > 3 slots: refill
+  result, record = _play(model, cfg, episodes)
+  b = result.batch
+  assert b.tokens_BxT.shape[0] == 5 and b.tokens_BxT.shape[1] % cfg.seq_multiple == 0
+  sampled = [
+    int(x) for out in record for row in range(3) for x in out.tokens_BxN[row][out.mask_BxN[row]]
+  ]
+  trained = [int(x) for e in range(5) for x in b.tokens_BxT[e][b.loss_mask_BxT[e]]]
+  # Every sampled token is trained on, and nothing else is (as a multiset over the whole batch).
+  assert sorted(sampled) == sorted(trained) and len(trained) == sum(
+    int(o.lengths_B.sum()) for o in record
+  )
+  for e, stats in enumerate(result.episodes):
+    n = stats.context_len
+    assert b.valid_BxT[e].sum() == n and b.valid_BxT[e, :n].all()
+    assert not b.loss_mask_BxT[e, n:].any()
+    # The first prompt is the format's encoding of the env text; it is not a model token.
+    env = env_lib.make("tic_tac_toe", parse_mode="lenient")
+    first = turn_format.PlainFormat(TOK).first(env.instructions, env.reset(stats.seed))
+    np.testing.assert_array_equal(b.tokens_BxT[e, : len(first)], first)
+    assert not b.loss_mask_BxT[e, : len(first)].any()
+    assert stats.turns >= 1 and stats.outcome
+  np.testing.assert_array_equal(b.group_ids_B, [0, 0, 1, 1, 2])
+  np.testing.assert_allclose(b.rewards_B, [s.reward for s in result.episodes])
+  np.testing.assert_allclose(b.token_rewards_BxT.sum(1), b.rewards_B, atol=1e-6)
+
+
+def test_sampler_logps_equal_rescoring_the_packed_episodes(model):
+  """The KV cache carried across turns gives the log-probs of scoring each episode from scratch."""
+  cfg = rollout.RolloutConfig(num_slots=2, max_turns=3, max_new_tokens=5, max_context=256)
+  result, _ = _play(model, cfg, [rollout.EpisodeSpec(seed=s, group_id=s) for s in range(3)])
+  b = result.batch
+  assert max(s.turns for s in result.episodes) >= 2  # continuation really happened
+  scored, _ = reference.token_logps(
+    model, b.tokens_BxT, b.positions_BxT, b.valid_BxT, chunk_size=64
+  )
+  mask = b.loss_mask_BxT
+  np.testing.assert_allclose(np.asarray(scored)[mask], b.sampler_logps_BxT[mask], atol=5e-5)
+
+
+def test_context_limit_truncates_and_marks_without_crashing(model):
+  cfg = rollout.RolloutConfig(num_slots=2, max_turns=8, max_new_tokens=8, max_context=200)
+  result, _ = _play(
+    model, cfg, [rollout.EpisodeSpec(seed=s, group_id=0) for s in range(4)], game="connect_four"
+  )
+  for stats in result.episodes:
+    assert stats.context_len <= 200
+  truncated = [s for s in result.episodes if s.truncated]
+  assert truncated and all(s.outcome in ("truncated", "max_turns") for s in truncated)
+  assert result.batch.tokens_BxT.shape[1] <= 256
+
+
+def test_rejects_mismatched_env_count(model):
+  cfg = rollout.RolloutConfig(num_slots=2)
+  with pytest.raises(ValueError, match="one env per slot"):
+    rollout.run_rollout(None, None, [], None, [], cfg, jax.random.key(0), pad_id=0)
