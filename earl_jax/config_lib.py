@@ -19,15 +19,8 @@ from typing import Any, TypeVar
 
 import ml_collections
 
-from earl_jax.types import DType
+from earl_jax.types import ConfigError, DType
 
-
-class ConfigError(ValueError):
-  """A config key has a value that is not allowed. The message names key, value and the rule."""
-
-  def __init__(self, key: str, value: Any, allowed: str):
-    self.key, self.value, self.allowed = key, value, allowed
-    super().__init__(f"config key '{key}' has value {value!r}; allowed: {allowed}")
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

@@ -13,6 +13,7 @@ Shape letters used as suffixes in numeric code (``logits_BxTxV``, ``mask_BxT``):
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import jax
 import numpy as np
@@ -82,3 +83,15 @@ class DType(enum.Enum):
     import jax.numpy as jnp
 
     return jnp.dtype(self.value)
+
+
+class ConfigError(ValueError):
+  """A config key has a value that is not allowed. The message names key, value and the rule.
+
+  Raised by every config dataclass (``config_lib`` and the module-owned ones such as
+  ``rl.update.OptimConfig``); ``config_lib.build`` prefixes the key with its path in the config.
+  """
+
+  def __init__(self, key: str, value: Any, allowed: str):
+    self.key, self.value, self.allowed = key, value, allowed
+    super().__init__(f"config key '{key}' has value {value!r}; allowed: {allowed}")

@@ -35,6 +35,8 @@ class Outcome(enum.Enum):
 class ObservationMode(enum.Enum):
   COMPACT = "compact"  # minimal text for tiny character-level policies (short contexts)
   VERBOSE = "verbose"  # full sentences and the answer format, for chat models
+  MOVES = "moves"  # games only: the opponent's last move, no board (the history implies it);
+  # the shortest context, for the tiny from-scratch default run
 
 
 class OnInvalid(enum.Enum):

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from earl_jax.config_lib import ConfigError
 from earl_jax.env import arithmetic, base, parsing
+from earl_jax.types import ConfigError
 
 RESULT_RE = re.compile(r"<result>(-?[0-9]+(?:\.[0-9]+)?)</result>")
 _NAMES = ("Ann", "Bo", "Cy", "Dee", "Eli", "Fay")
@@ -88,6 +88,8 @@ class CalculatorEnvConfig:
       raise ConfigError(
         "on_malformed", self.on_malformed, f"one of {[m.value for m in base.OnInvalid]}"
       )
+    if self.observation is base.ObservationMode.MOVES:
+      raise ConfigError("observation", self.observation.value, "'compact' or 'verbose' (no board)")
     if not isinstance(self.observation, base.ObservationMode):
       modes = [m.value for m in base.ObservationMode]
       raise ConfigError("observation", self.observation, f"one of {modes}")

@@ -13,6 +13,10 @@ Compact observation (default; for tiny character-level policies)::
   ...x...
   o 3              your symbol, then the opponent's last move ('-' if none yet)
 
+Moves observation (``observation="moves"``; the shortest context, for the default tiny run)::
+
+  o 3              only your symbol and the opponent's last move: the board is the history
+
 Verbose observation (for chat models)::
 
   Connect Four. You play o. The opponent (x) played 3.
@@ -45,8 +49,8 @@ from typing import Any
 
 import pyspiel
 
-from earl_jax.config_lib import ConfigError
 from earl_jax.env import base, opponents, parsing
+from earl_jax.types import ConfigError
 
 OpponentKind = opponents.OpponentKind
 
@@ -198,7 +202,7 @@ class GameEnv:
   def instructions(self) -> str:
     tag = self.config.action_tag
     first = self.spec.symbols[0]
-    if self.config.observation is ObservationMode.COMPACT:
+    if self.config.observation is not ObservationMode.VERBOSE:
       return f"{self.spec.title}. {first} moves first. Answer <{tag}>N</{tag}>."
     return (
       f"You are playing {self.spec.title} against an opponent. {self.spec.rules} "
@@ -281,7 +285,7 @@ class GameEnv:
     if cfg.on_invalid is base.OnInvalid.END or self._retries > cfg.max_retries:
       return self._finish(base.Outcome.INVALID, action)
     moves = " ".join(str(a) for a in legal)
-    if cfg.observation is ObservationMode.COMPACT:
+    if cfg.observation is not ObservationMode.VERBOSE:
       obs = f"invalid; legal: {moves}"
     else:
       what = "could not be read" if action is None else f"{action} is not legal"
@@ -321,6 +325,8 @@ class GameEnv:
   def _render(self) -> str:
     me, them = self.spec.symbols[self._me], self.spec.symbols[1 - self._me]
     last = "-" if self._last_opponent is None else str(self._last_opponent)
+    if self.config.observation is ObservationMode.MOVES:
+      return f"{me} {last}"
     board = self.spec.render(self._state)
     if self.config.observation is ObservationMode.COMPACT:
       return f"{board}\n{me} {last}"

@@ -36,10 +36,9 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from earl_jax.config_lib import ConfigError
 from earl_jax.rl.batches import AdvantageBatch, ScoredBatch
 from earl_jax.rl.kl import KLEstimator, kl_per_token
-from earl_jax.types import Array
+from earl_jax.types import Array, ConfigError
 
 
 class AdvantageEstimator(enum.Enum):

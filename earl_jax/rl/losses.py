@@ -21,10 +21,9 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from earl_jax.config_lib import ConfigError
 from earl_jax.rl.batches import AdvantageBatch
 from earl_jax.rl.kl import KLEstimator, kl_per_token
-from earl_jax.types import Array
+from earl_jax.types import Array, ConfigError
 
 
 class LossAggregation(enum.Enum):

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from earl_jax.config_lib import ConfigError
 from earl_jax.rl import batches
+from earl_jax.types import ConfigError
 
 GenerateFn = Callable[..., tuple[Any, Any]]  # (cache, prompt, mask, positions, active, rng)
 

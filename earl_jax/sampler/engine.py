@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from earl_jax.config_lib import ConfigError
 from earl_jax.sampler import sampling
+from earl_jax.types import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

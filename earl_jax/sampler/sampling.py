@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from earl_jax.config_lib import ConfigError
+from earl_jax.types import ConfigError
 
 _NEG = -1e30  # logit of an excluded token: exp() is exactly 0 in f32 and no inf arithmetic
 

@@ -207,3 +207,14 @@ def test_config_validation():
     games.GameEnvConfig(invalid_penalty=float("nan"))
   with pytest.raises(ValueError, match="seed"):
     _env().reset(-1)
+
+
+def test_moves_observation_shows_only_the_last_opponent_move():
+  env = env_lib.make(
+    "connect_four", observation="moves", model_side="second", opponent="first_legal"
+  )
+  assert env.reset(0) == "o 0"  # first_legal opened in column 0
+  result = env.step("<move>3</move>")
+  assert result.observation == "o 0" and not result.done  # first_legal plays 0 again
+  with pytest.raises(ConfigError, match="observation"):
+    env_lib.make("calculator", observation="moves")
