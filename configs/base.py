@@ -7,6 +7,7 @@ Launch: python launch/train.py --config=configs/base.py
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -43,4 +44,105 @@ def get_config() -> ml_collections.ConfigDict:
   t = c.tokenizer = ml_collections.ConfigDict()
   t.kind = "char"  # char (built-in, no files) | hf (tokenizer.json from `path`)
   t.path = ""  # hf: directory or hub repo id holding tokenizer.json / tokenizer_config.json
+
+  e = c.env = ml_collections.ConfigDict()
+  e.name = "connect_four"  # connect_four | tic_tac_toe | calculator
+  g = e.game = ml_collections.ConfigDict()  # board games (OpenSpiel)
+  g.opponent = "random"  # training opponent: random | first_legal | mcts
+  g.mcts_simulations = 50  # mcts opponent: simulations per move
+  g.mcts_rollouts = 1  # mcts opponent: random rollouts per leaf
+  g.mcts_uct_c = 2.0  # mcts opponent: exploration constant
+  g.model_side = "alternate"  # first | second | alternate (by episode seed parity)
+  g.observation = "compact"  # compact (board + last move) | verbose (chat models) | moves
+  g.parse_mode = "tag"  # tag (<move>N</move> only) | lenient (else the first digit run)
+  g.action_tag = "move"  # the answer is <action_tag>N</action_tag>
+  g.on_invalid = "retry"  # after an invalid answer: end the episode | retry
+  g.max_retries = 2  # retry: invalid answers in a row before the episode ends as invalid
+  g.invalid_penalty = -0.5  # reward of each invalid answer
+  g.win_reward = 1.0
+  g.draw_reward = 0.0
+  g.loss_reward = -1.0
+  k = e.calculator = ml_collections.ConfigDict()  # tool use: arithmetic with a calculator
+  k.kinds = ("arithmetic", "word")  # problem kinds to draw from
+  k.min_ops = 2  # operators per arithmetic problem, at least
+  k.max_ops = 3  # ... and at most
+  k.max_operand = 20  # operands drawn from 1..max_operand
+  k.max_turns = 4  # policy turns (tool calls included) before the episode is cut
+  k.tolerance = 1e-6  # absolute tolerance of a correct answer
+  k.correct_reward = 1.0
+  k.wrong_reward = 0.0
+  k.malformed_penalty = -0.1  # reward of an unparseable turn
+  k.on_malformed = "retry"  # end | retry
+  k.observation = "compact"  # compact | verbose
+
+  s = c.sampler = ml_collections.ConfigDict()
+  s.strategy = "temperature"  # training rollouts: greedy | temperature | top_k | top_p
+  s.temperature = 1.0  # softmax temperature (also used to score the behaviour policy)
+  s.top_k = 0  # top_k strategy: candidates kept
+  s.top_p = 1.0  # top_p strategy: nucleus mass
+  s.eval_strategy = "greedy"  # evaluation games: greedy | temperature | top_k | top_p
+
+  r = c.rollout = ml_collections.ConfigDict()
+  r.num_slots = 8  # episodes decoded concurrently (rows of the rollout batch)
+  r.max_turns = 8  # model turns per episode before it is cut (outcome max_turns)
+  r.max_new_tokens = 16  # tokens per model turn
+  r.max_context = 512  # token budget of one episode; longer episodes are truncated and marked
+  r.chunk_multiple = 16  # new-context chunks are padded to a multiple (bounds recompiles)
+  r.seq_multiple = 64  # packed episodes are padded to a multiple (the length bucket unit)
+
+  rl = c.rl = ml_collections.ConfigDict()
+  rl.num_groups = 8  # P: initial states (prompts) per step
+  rl.group_size = 4  # G: episodes per initial state; the batch is P * G episodes
+  rl.logp_chunk = 64  # sequence chunk of log-prob computation; divides rollout.seq_multiple
+  a = rl.advantage = ml_collections.ConfigDict()
+  a.estimator = "grpo"  # grpo | rloo | reinforce_pp (the EARL paper's)
+  a.scale_by_std = True  # grpo: divide by the group std (False = Dr. GRPO)
+  a.whiten = config_dict.placeholder(bool)  # global whitening; None = the estimator's default
+  a.eps = 1e-6  # added to every std
+  a.kl_beta = 0.0  # reinforce_pp: beta of the KL penalty folded into the reward
+  a.kl_estimator = "k1"  # reinforce_pp: k1 | k2 | k3
+  a.gamma = 1.0  # reinforce_pp: discount per policy token
+  a.per_turn_rewards = False  # reinforce_pp: one reward per turn instead of per episode
+  lo = rl.loss = ml_collections.ConfigDict()
+  lo.clip_eps_low = 0.2  # epsilon_low: ratio clipped below at 1 - eps
+  lo.clip_eps_high = 0.2  # epsilon_high: ratio clipped above at 1 + eps (0.28 = clip-higher)
+  lo.dual_clip = config_dict.placeholder(float)  # c > 1 bounds negative-advantage losses; None off
+  lo.kl_beta = 0.0  # beta of KL(pi || pi_ref) in the loss (GRPO); 0 = no reference term
+  lo.kl_estimator = "k3"  # in-loss KL estimator: k1 | k2 | k3
+  lo.entropy_coef = 0.0  # entropy bonus weight
+  lo.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum_norm
+  lo.seq_sum_norm = config_dict.placeholder(int)  # seq_sum_norm constant; None = padded length
+
+  o = c.optim = ml_collections.ConfigDict()
+  o.learning_rate = 1e-5  # peak learning rate
+  o.warmup_steps = 0  # linear warmup steps
+  o.decay_steps = 1000  # cosine decay steps after warmup
+  o.end_lr_ratio = 0.1  # final learning rate / peak
+  o.weight_decay = 0.0  # decoupled AdamW weight decay
+  o.b1 = 0.9  # Adam beta1
+  o.b2 = 0.999  # Adam beta2
+  o.eps = 1e-8  # Adam epsilon
+  o.max_grad_norm = 1.0  # global-norm clipping; 0 = off
+
+  p = c.parallel = ml_collections.ConfigDict()
+  p.num_devices = 0  # devices every stage uses; 0 = all
+  p.selector = False  # True: the parallelism selector picks each stage's layout per length bucket
+  p.memory_budget_gib = 0.0  # per-device memory budget; 0 = from device.memory_stats()
+  p.profile = False  # selector: time feasible layouts per bucket (else the analytic cost model)
+  for stage in ("rollout", "reference", "update"):
+    lay = p[stage] = ml_collections.ConfigDict()  # the fixed layout of this stage
+    lay.data = -1  # data-parallel size; -1 = the devices left after fsdp and tensor
+    lay.fsdp = 1  # parameter-sharding size
+    lay.tensor = 1  # tensor-parallel size
+    lay.micro_batch_size = 0  # update: sequences per micro-batch (0 = whole batch)
+    lay.remat = "none"  # update: activation rematerialisation none | full | dots
+
+  tr = c.train = ml_collections.ConfigDict()
+  tr.num_steps = 100  # training steps (one rollout + one update each)
+  tr.eval_every = 10  # evaluate every N steps, and at the first and last; 0 = never
+  tr.eval_episodes = 32  # evaluation episodes per opponent
+  tr.eval_opponents = ("random",)  # board games: opponents evaluated against
+  tr.checkpoint_every = 20  # checkpoint every N steps (and at the end and on SIGTERM)
+  tr.keep_checkpoints = 2  # checkpoints kept
+  tr.log_every = 1  # metrics every N steps
   return c

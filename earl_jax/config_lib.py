@@ -19,8 +19,15 @@ from typing import Any, TypeVar
 
 import ml_collections
 
+from earl_jax.env import calculator as calculator_env
+from earl_jax.env import games as games_env
+from earl_jax.env import registry as env_registry
+from earl_jax.rl.advantage import AdvantageConfig
+from earl_jax.rl.losses import LossConfig
+from earl_jax.rl.rollout import RolloutConfig
+from earl_jax.rl.update import OptimConfig
+from earl_jax.sampler import sampling
 from earl_jax.types import ConfigError, DType
-
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -148,20 +155,152 @@ class TokenizerConfig:
 
 
 # ----------------------------------------------------------------------------------------------
+# Environment, sampling, RL, parallelism, training
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  """Which environment, and the options of each kind (only the one named is used)."""
+
+  name: str = "connect_four"
+  game: games_env.GameEnvConfig = dataclasses.field(default_factory=games_env.GameEnvConfig)
+  calculator: calculator_env.CalculatorEnvConfig = dataclasses.field(
+    default_factory=calculator_env.CalculatorEnvConfig
+  )
+
+  def __post_init__(self):
+    _require(self.name in env_registry.names(), "name", self.name, f"one of {env_registry.names()}")
+
+  def make(self, **overrides: Any):
+    """A fresh env instance (``overrides`` replace config fields, e.g. the eval opponent)."""
+    section = self.calculator if self.name == env_registry.CALCULATOR else self.game
+    return env_registry.make(self.name, **{**dataclasses.asdict(section), **overrides})
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  strategy: str = "temperature"  # training rollouts: greedy | temperature | top_k | top_p
+  temperature: float = 1.0
+  top_k: int = 0  # top_k strategy only
+  top_p: float = 1.0  # top_p strategy only
+  eval_strategy: str = "greedy"  # evaluation games: same choices
+
+  def __post_init__(self):
+    self.make()
+    if self.eval_strategy not in ("greedy", "temperature", "top_k", "top_p"):
+      raise ConfigError("eval_strategy", self.eval_strategy, "greedy | temperature | top_k | top_p")
+
+  def make(self, *, evaluation: bool = False) -> sampling.Strategy:
+    name = self.eval_strategy if evaluation else self.strategy
+    return sampling.make_strategy(
+      name, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  num_groups: int = 8  # P: initial states (prompts) per step
+  group_size: int = 4  # G: episodes per initial state (GRPO group)
+  logp_chunk: int = 64  # sequence chunk of the log-prob computation (bounds the [B, C, V] block)
+  advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+  loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+
+  def __post_init__(self):
+    for key in ("num_groups", "group_size", "logp_chunk"):
+      _require(getattr(self, key) >= 1, key, getattr(self, key), "a positive int")
+
+  @property
+  def batch_size(self) -> int:
+    return self.num_groups * self.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+  """A fixed layout of one stage (used when the selector is off, and as its starting point)."""
+
+  data: int = -1  # data-parallel size; -1 = fill in from the device count
+  fsdp: int = 1  # parameter-sharding size
+  tensor: int = 1  # tensor-parallel size
+  micro_batch_size: int = 0  # update stage: sequences per micro-batch; 0 = the whole batch
+  remat: str = "none"  # update stage: none | full | dots
+
+  def __post_init__(self):
+    for key in ("fsdp", "tensor"):
+      _require(getattr(self, key) >= 1, key, getattr(self, key), "a positive int")
+    _require(self.data == -1 or self.data >= 1, "data", self.data, "-1 or a positive int")
+    _require(self.micro_batch_size >= 0, "micro_batch_size", self.micro_batch_size, "an int >= 0")
+    _require(self.remat in ("none", "full", "dots"), "remat", self.remat, "none | full | dots")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+  num_devices: int = 0  # devices used by every stage; 0 = all
+  selector: bool = False  # True: the selector picks each stage's layout per length bucket
+  memory_budget_gib: float = 0.0  # per-device budget; 0 = from device.memory_stats()
+  profile: bool = False  # selector: time the feasible layouts per bucket (else cost model)
+  rollout: StageLayout = dataclasses.field(default_factory=StageLayout)
+  reference: StageLayout = dataclasses.field(default_factory=StageLayout)
+  update: StageLayout = dataclasses.field(default_factory=StageLayout)
+
+  def __post_init__(self):
+    _require(self.num_devices >= 0, "num_devices", self.num_devices, "an int >= 0 (0 = all)")
+    _require(self.memory_budget_gib >= 0, "memory_budget_gib", self.memory_budget_gib, ">= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  num_steps: int = 100  # training steps (one rollout + one update each)
+  eval_every: int = 10  # evaluate every N steps (and at the first and last step); 0 = never
+  eval_episodes: int = 32  # episodes per opponent per evaluation
+  eval_opponents: tuple[str, ...] = ("random",)  # game opponents to evaluate against
+  checkpoint_every: int = 20  # save every N steps (and on SIGTERM and at the end)
+  keep_checkpoints: int = 2  # keep the last K checkpoints
+  log_every: int = 1  # write metrics every N steps
+
+  def __post_init__(self):
+    for key in ("num_steps", "eval_episodes", "checkpoint_every", "keep_checkpoints", "log_every"):
+      _require(getattr(self, key) >= 1, key, getattr(self, key), "a positive int")
+    _require(self.eval_every >= 0, "eval_every", self.eval_every, "an int >= 0 (0 = never)")
+    kinds = [k.value for k in games_env.OpponentKind]
+    for name in self.eval_opponents:
+      _require(name in kinds, "eval_opponents", self.eval_opponents, f"a tuple of {kinds}")
+
+
+# ----------------------------------------------------------------------------------------------
 # Experiment
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Everything a run needs. Sections grow with the stages; each has its own dataclass."""
+  """Everything a run needs. Each section is validated on its own, then their combination."""
 
   seed: int = 0
+  pretrained_path: str = ""  # HF directory or repo id; when set, model is read from its config.json
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
-  pretrained_path: str = ""  # HF directory or repo id; when set, model is read from its config.json
+  env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+  sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+  rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
   def __post_init__(self):
     _require(self.seed >= 0, "seed", self.seed, "a non-negative int")
+    _require(
+      self.rollout.max_context <= self.model.max_seq_len,
+      "rollout.max_context",
+      self.rollout.max_context,
+      f"<= model.max_seq_len ({self.model.max_seq_len})",
+    )
+    _require(
+      self.rl.logp_chunk <= self.rollout.seq_multiple
+      and self.rollout.seq_multiple % self.rl.logp_chunk == 0,
+      "rl.logp_chunk",
+      self.rl.logp_chunk,
+      f"a divisor of rollout.seq_multiple ({self.rollout.seq_multiple}), the padding unit",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,5 +394,5 @@ def to_dict(config: Any) -> Any:
   if isinstance(config, enum.Enum):
     return config.value
   if isinstance(config, tuple):
-    return [to_dict(v) for v in config]
+    return tuple(to_dict(v) for v in config)
   return config
