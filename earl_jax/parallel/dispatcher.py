@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from earl_jax.parallel import blocks
 from earl_jax.parallel.balance import balance_permutation, inverse_permutation, tokens_per_shard
@@ -97,6 +97,12 @@ def _union_fn(out: Sharding, row: int, rows: int) -> Any:
   return jax.jit(place, out_shardings=out)
 
 
+@functools.lru_cache(maxsize=512)
+def _zeros(shape: tuple[int, ...], dtype: Any, device: jax.Device) -> Any:
+  # Generated on the device by a jit: jnp.zeros(device=...) would upload its fill value.
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=SingleDeviceSharding(device))
+
+
 def _devices(sharding: Sharding) -> list[jax.Device]:
   return list(sharding._device_assignment)
 
@@ -148,7 +154,7 @@ def _assemble_sharding(src: Sharding, dst: NamedSharding) -> NamedSharding:
   mesh = Mesh(
     _grid(dst_devices + rest, (copies, *dst.mesh.devices.shape)), ("_copy", *dst.mesh.axis_names)
   )
-  return NamedSharding(mesh, PartitionSpec(None, *dst.spec))
+  return NamedSharding(mesh, dst.spec)  # the unused _copy axis replicates
 
 
 def _union_move(x: jax.Array, dst: NamedSharding) -> tuple[jax.Array, blocks.MoveCost]:
@@ -173,11 +179,13 @@ def _union_move(x: jax.Array, dst: NamedSharding) -> tuple[jax.Array, blocks.Mov
   block = src.shard_shape(x.shape)
   local = [s.data.reshape((1, *block)) for s in x.addressable_shards]
   local += [
-    jnp.zeros((1, *block), x.dtype, device=d)
+    _zeros((1, *block), x.dtype, d)()
     for d in union[len(src_devices) :]
     if d.process_index == jax.process_index()
   ]
-  y = jax.make_array_from_single_device_arrays((rows_in, *x.shape), y_sharding, local)
+  y = jax.make_array_from_single_device_arrays(
+    (rows_in, *x.shape), y_sharding, local, dtype=x.dtype
+  )
   out_sharding = NamedSharding(
     Mesh(_grid(union, (rows_out, *dst.mesh.devices.shape)), ("_row", *dst.mesh.axis_names)),
     PartitionSpec("_row", *dst.spec),
@@ -188,7 +196,7 @@ def _union_move(x: jax.Array, dst: NamedSharding) -> tuple[jax.Array, blocks.Mov
     Mesh(_grid(chunk, dst.mesh.devices.shape), dst.mesh.axis_names), dst.spec
   )
   z = jax.make_array_from_single_device_arrays(
-    x.shape, chunk_sharding, _take_buffers(out, dst.device_set, drop_lead=True)
+    x.shape, chunk_sharding, _take_buffers(out, dst.device_set, drop_lead=True), dtype=x.dtype
   )
   cost = blocks.move_cost(x.sharding, chunk_sharding, x.shape, x.dtype.itemsize)
   if chunk != dst_devices:
@@ -218,7 +226,7 @@ def _move(x: jax.Array, dst: Sharding, route: str) -> tuple[jax.Array, blocks.Mo
     mid = _assemble_sharding(x.sharding, dst_named)
     moved = jax.device_put(x, mid)
     bufs = _take_buffers(moved, dst.device_set, drop_lead=False)
-    y = jax.make_array_from_single_device_arrays(shape, dst, bufs)
+    y = jax.make_array_from_single_device_arrays(shape, dst, bufs, dtype=x.dtype)
   elif route == "union":
     return _union_move(x, dst_named)
   else:
@@ -245,7 +253,7 @@ def _move_direct_unguarded(x: jax.Array, dst: Sharding) -> tuple[jax.Array, str,
   if _not_participating(x, dst):
     # This process holds no block of either side; it only needs the global array object.
     cost = blocks.MoveCost() if route == "noop" else _global_cost(x, dst, route)
-    return jax.make_array_from_single_device_arrays(x.shape, dst, []), route, cost
+    return jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype), route, cost
   y, cost = _move(x, dst, route)
   return y, route, cost
 
