@@ -1,10 +1,11 @@
-"""Entry point: parse flags, validate the config, hand it to the trainer.
+"""Entry point: parse flags, validate the config, train.
 
   python launch/train.py                                   # configs/connect_four_tiny.py on CPU
-  python launch/train.py --config=configs/<exp>.py --config.model.num_layers=4 --workdir=/tmp/run
+  python launch/train.py --config=configs/<exp>.py --config.rl.loss.kl_beta=0.01 --workdir=/tmp/run
 
-Kept thin on purpose: everything it calls is importable from a notebook. Until the training loop
-lands (see the trainer issue) this validates and prints the resolved config and exits.
+Kept thin on purpose: everything it calls is importable from a notebook (``earl_jax.rl.loop``).
+On a CPU-only machine JAX gets 8 simulated devices (``--cpu_devices``), so the per-stage layouts
+are real meshes there too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,23 @@ import sys
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO))  # so config files can `from configs import base`
+
+
+def _cpu_devices(argv: list[str]) -> int:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--cpu_devices="):
+      return int(arg.split("=", 1)[1])
+    if arg == "--cpu_devices" and i + 1 < len(argv):
+      return int(argv[i + 1])
+  return 8
+
+
+if __name__ == "__main__":
+  # Must be set before jax initialises its backends; only the host (CPU) platform reads it.
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={_cpu_devices(sys.argv)}"
+  )
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -58,7 +76,13 @@ _CONFIG = config_flags.DEFINE_config_file(
   "Experiment config file (configs/*.py); override keys with --config.<key>=<value>.",
   lock_config=True,
 )
-_WORKDIR = flags.DEFINE_string("workdir", "", "Directory for checkpoints, metrics and profiles.")
+_WORKDIR = flags.DEFINE_string(
+  "workdir", "", "Checkpoints, metrics and profiles; default runs/<config file name>."
+)
+flags.DEFINE_integer("cpu_devices", 8, "Simulated devices when JAX runs on the CPU.")
+_MULTIHOST = flags.DEFINE_bool(
+  "multihost", False, "Call jax.distributed.initialize() (one process per host or per GPU)."
+)
 
 
 def main(argv: list[str]) -> None:
@@ -69,11 +93,22 @@ def main(argv: list[str]) -> None:
   except config_lib.ConfigError as e:
     # A bad config fails here, before any device is touched.
     raise app.UsageError(str(e)) from None
-  print(f"config: {_CONFIG.value.to_json(indent=2)}")
-  print(f"model parameters: {cfg.model.num_params:,}")
-  print(f"workdir: {_WORKDIR.value or '(none)'}")
+  import jax  # after the flags: XLA_FLAGS above must be in place first
+
+  from earl_jax.rl import loop
+
+  if _MULTIHOST.value:
+    jax.distributed.initialize()  # reads the cluster from the environment (SLURM, TPU pods)
+  config_file = pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"]))
+  workdir = _WORKDIR.value or str(_REPO / "runs" / config_file.stem)
+  print(f"config {config_file.name}: {cfg.model.num_params:,} parameters; workdir {workdir}")
+  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
+  rows = loop.run(cfg, workdir)
+  evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+  if evals:
+    last = evals[-1]
+    print("final evaluation:", {k: round(v, 3) for k, v in last.items() if k.startswith("eval/")})
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   app.run(main)

@@ -1,0 +1,365 @@
+"""The training loop: the only module that knows every stage, the dispatcher and the plans.
+
+One step: rollout@ROLLOUT (multi-turn episodes, KV cache across turns) -> RolloutBatch, put on the
+REFERENCE layout -> old-policy and reference log-probs -> advantages (jitted, on device, group
+statistics included) -> dispatch to the UPDATE layout -> update -> weight sync back to the
+rollout (and reference) layouts. Each stage is a compiled program of its StagePlan and length
+bucket (``parallel/executables.py``); the dispatcher moves the batch and the weights between
+layouts without a host round trip.
+
+Resume is exact: every random choice of step k (sampling key, environment seeds) is derived from
+(config seed, k), and a checkpoint holds the train state, the reference weights and the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from earl_jax import checkpoint as checkpoint_lib
+from earl_jax import config_lib
+from earl_jax import metrics as metrics_lib
+from earl_jax import model as model_lib
+from earl_jax.parallel import dispatcher, executables
+from earl_jax.parallel import mesh as mesh_lib
+from earl_jax.parallel.plan import ParallelPlan, StagePlan, make_stage_plan, validate_for_model
+from earl_jax.rl import advantage, batches, loop_stats, objective, rollout, turn_format, update
+from earl_jax.sampler import engine
+from earl_jax.types import Stage
+
+_ENV_SEED_STRIDE = 1_000_003  # env seeds of different config seeds never collide in practice
+_EVAL_SEED_BASE = 10**9  # evaluation episodes use a fixed, disjoint seed range
+
+
+def make_plans(cfg: config_lib.ExperimentConfig, devices: Sequence[jax.Device]) -> ParallelPlan:
+  """The fixed per-stage layouts of ``cfg.parallel`` over ``devices``, validated for the model."""
+  ids = [d.id for d in devices]
+  plans = {}
+  for stage in Stage:
+    lay = getattr(cfg.parallel, stage.value)
+    plan = make_stage_plan(
+      stage,
+      ids,
+      lay.data,
+      lay.fsdp,
+      lay.tensor,
+      micro_batch_size=lay.micro_batch_size,
+      remat=lay.remat,
+    )
+    batch = cfg.rollout.num_slots if stage is Stage.ROLLOUT else cfg.rl.batch_size
+    validate_for_model(plan, cfg.model, batch)
+    plans[stage] = plan
+  return ParallelPlan.of(plans)
+
+
+def _turn_format(tokenizer: model_lib.Tokenizer):
+  if isinstance(tokenizer, model_lib.CharTokenizer):
+    return turn_format.PlainFormat(tokenizer)
+  return turn_format.ChatTemplateFormat(tokenizer)
+
+
+@dataclasses.dataclass
+class _Programs:
+  """Stage programs and their static pieces, shared by training and evaluation."""
+
+  cfg: config_lib.ExperimentConfig
+  plans: ParallelPlan
+  graphdef: nnx.GraphDef
+  abstract_params: nnx.State
+  optimizer: Any
+  cache: executables.ExecutableCache = dataclasses.field(
+    default_factory=executables.ExecutableCache
+  )
+
+  def generate_fn(self, params: nnx.State, spec: engine.GenerationSpec):
+    """A rollout ``generate`` with ``params`` bound; compiles one program per chunk width."""
+    plan = self.plans[Stage.ROLLOUT]
+    cache_len = self.cfg.rollout.cache_len()
+    row2, row1 = mesh_lib.batch_sharding(plan, 2), mesh_lib.batch_sharding(plan, 1)
+    rep = executables.replicated(plan)
+
+    def generate(kv_cache, prompt, mask, positions, active, rng):
+      b, p = prompt.shape
+      program = self.cache.get(
+        Stage.ROLLOUT,
+        plan,
+        (b, p),
+        lambda: executables.lower_generate(
+          plan, self.graphdef, self.abstract_params, cache_len, spec, (b, p)
+        ),
+        extra=spec,
+      )
+      host = [jax.device_put(x, s) for x, s in zip((prompt, mask, positions), (row2,) * 3)]
+      return program(
+        params, kv_cache, *host, jax.device_put(active, row1), jax.device_put(rng, rep)
+      )
+
+    return generate
+
+  def score(self, params: nnx.State, batch: batches.RolloutBatch) -> jax.Array:
+    plan = self.plans[Stage.REFERENCE]
+    bucket = batch.tokens_BxT.shape
+    program = self.cache.get(
+      Stage.REFERENCE,
+      plan,
+      bucket,
+      lambda: executables.lower_score(
+        plan,
+        self.graphdef,
+        self.abstract_params,
+        bucket,
+        chunk_size=self.cfg.rl.logp_chunk,
+        temperature=self.cfg.sampler.temperature,
+      ),
+    )
+    return program(params, batch.tokens_BxT, batch.positions_BxT, batch.valid_BxT)
+
+  def update(self, state: update.TrainState, batch: batches.AdvantageBatch):
+    plan = self.plans[Stage.UPDATE]
+    bucket = batch.tokens_BxT.shape
+    micro = plan.micro_batch_size or bucket[0]
+    plan_for_batch = dataclasses.replace(plan, micro_batch_size=micro)
+    loss_fn = objective.make_loss_fn(
+      self.cfg.rl.loss,
+      chunk_size=self.cfg.rl.logp_chunk,
+      temperature=self.cfg.sampler.temperature,
+      remat=plan.remat,
+    )
+    abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    program = self.cache.get(
+      Stage.UPDATE,
+      plan,
+      bucket,
+      lambda: executables.lower_update(
+        plan_for_batch,
+        self.graphdef,
+        abstract_state,
+        abstract_batch,
+        loss_fn=loss_fn,
+        optimizer=self.optimizer,
+      ),
+    )
+    return program(state, batch)
+
+
+def _batch_shardings(plan: StagePlan, batch: Any) -> Any:
+  return jax.tree.map(lambda x: mesh_lib.batch_sharding(plan, np.ndim(x)), batch)
+
+
+class Trainer:
+  """Holds the run's state; ``run()`` trains from the last checkpoint (if any) to the end."""
+
+  def __init__(self, cfg: config_lib.ExperimentConfig, workdir: str | pathlib.Path):
+    self.cfg = cfg
+    self.workdir = pathlib.Path(workdir)
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    n = cfg.parallel.num_devices or jax.device_count()
+    if n > jax.device_count():
+      raise config_lib.ConfigError("parallel.num_devices", n, f"<= {jax.device_count()} devices")
+    self.devices = jax.devices()[:n]
+    self.tokenizer = model_lib.make_tokenizer(cfg.tokenizer)
+    if self.tokenizer.vocab_size > cfg.model.vocab_size:
+      raise config_lib.ConfigError(
+        "model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's {self.tokenizer.vocab_size}"
+      )
+    self.plans = make_plans(cfg, self.devices)
+    self.fmt = _turn_format(self.tokenizer)
+    self.optimizer = update.make_optimizer(cfg.optim)
+    self._init_state()
+    self.programs = _Programs(cfg, self.plans, self.graphdef, self.abstract_params, self.optimizer)
+    self.envs = [cfg.env.make() for _ in range(cfg.rollout.num_slots)]
+    self.kv_cache = self._new_cache()
+    self.use_reference = cfg.rl.loss.kl_beta > 0 or cfg.rl.advantage.kl_beta > 0
+    self._advantages = jax.jit(
+      functools.partial(
+        advantage.compute_advantages, cfg=cfg.rl.advantage, num_groups=cfg.rl.num_groups
+      )
+    )
+
+  def _init_state(self) -> None:
+    cfg, plan = self.cfg, self.plans[Stage.UPDATE]
+    model = mesh_lib.create_sharded(
+      lambda: model_lib.Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed)), plan
+    )
+    self.graphdef, params = nnx.split(model)
+    self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    rng = jax.random.key(cfg.seed)
+    state = update.init_train_state(params, self.optimizer, rng)
+    self.state_shardings = executables.train_state_shardings(plan, state, self.optimizer)
+    self.state = jax.device_put(state, self.state_shardings)
+    # The frozen reference must own its buffers: with equal layouts the sync is a no-op that
+    # would alias the policy's parameters, which the update step donates.
+    ref_params, _ = dispatcher.sync_weights(params, self.plans[Stage.REFERENCE])
+    self.ref_params = jax.tree.map(jnp.copy, ref_params)
+    self.start_step = 0
+
+  def _new_cache(self) -> model_lib.KVCache:
+    plan, cfg = self.plans[Stage.ROLLOUT], self.cfg
+    abstract = jax.eval_shape(
+      lambda: model_lib.init_cache(cfg.model, cfg.rollout.num_slots, cfg.rollout.cache_len())
+    )
+    shardings = executables.cache_shardings(plan, abstract)
+    return jax.jit(
+      lambda: model_lib.init_cache(cfg.model, cfg.rollout.num_slots, cfg.rollout.cache_len()),
+      out_shardings=shardings,
+    )()
+
+  def spec(self, *, evaluation: bool = False) -> engine.GenerationSpec:
+    return engine.GenerationSpec.with_stop_ids(
+      tuple(self.tokenizer.stop_ids),
+      strategy=self.cfg.sampler.make(evaluation=evaluation),
+      max_new_tokens=self.cfg.rollout.max_new_tokens,
+      pad_id=self.tokenizer.pad_id,
+    )
+
+  def episodes(self, step: int) -> list[rollout.EpisodeSpec]:
+    """Step ``step``'s episodes: group g shares one env seed (its initial state and opponent)."""
+    rl, base = self.cfg.rl, self.cfg.seed * _ENV_SEED_STRIDE + step * self.cfg.rl.num_groups
+    return [
+      rollout.EpisodeSpec(seed=base + g, group_id=g)
+      for g in range(rl.num_groups)
+      for _ in range(rl.group_size)
+    ]
+
+  def play(self, params: nnx.State, episodes, envs, rng, *, evaluation: bool = False):
+    generate = self.programs.generate_fn(params, self.spec(evaluation=evaluation))
+    result, self.kv_cache = rollout.run_rollout(
+      generate,
+      self.kv_cache,
+      envs,
+      self.fmt,
+      episodes,
+      self.cfg.rollout,
+      rng,
+      pad_id=self.tokenizer.pad_id,
+    )
+    return result
+
+  def train_step(self, step: int, timer: metrics_lib.StageTimer) -> dict[str, Any]:
+    """One RL step; returns host scalars (the update's metrics are fetched last)."""
+    cfg = self.cfg
+    rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
+    with timer("sync"):
+      rollout_params, sync_stats = dispatcher.sync_weights(
+        self.state.params, self.plans[Stage.ROLLOUT]
+      )
+    with timer("rollout"):
+      result = self.play(rollout_params, self.episodes(step), self.envs, rng)
+    ref_plan = self.plans[Stage.REFERENCE]
+    with timer("reference"):
+      rb = jax.device_put(result.batch, _batch_shardings(ref_plan, result.batch))
+      policy_params, _ = dispatcher.sync_weights(self.state.params, ref_plan)
+      old = self.programs.score(policy_params, rb)
+      ref = self.programs.score(self.ref_params, rb) if self.use_reference else old
+      scored = batches.ScoredBatch.from_rollout(rb, ref_logps_BxT=ref, old_logps_BxT=old)
+      adv = jax.block_until_ready(self._advantages(scored))
+    with timer("dispatch"):
+      lengths = np.asarray(result.batch.valid_BxT.sum(axis=1))
+      adv, dispatch_stats = dispatcher.dispatch(
+        adv, _batch_shardings(self.plans[Stage.UPDATE], adv), lengths_B=lengths
+      )
+    with timer("update"):
+      # The update donates the train state: a checkpoint still reading it must finish first
+      # (its disk writes overlapped with this step's rollout).
+      self.checkpointer.wait()
+      self.state, upd = self.programs.update(self.state, adv)
+      upd = jax.device_get(upd)
+    out = loop_stats.rollout_scalars(result)
+    out.update({f"update/{k}": float(v) for k, v in upd.items()})
+    out.update(loop_stats.dispatch_scalars(dispatch_stats, "dispatch"))
+    out.update(loop_stats.dispatch_scalars(sync_stats, "sync"))
+    out["lr"] = float(update.learning_rate_schedule(cfg.optim)(step))
+    return out
+
+  def evaluate(self, step: int) -> dict[str, float]:
+    cfg, out = self.cfg, {}
+    rollout_params, _ = dispatcher.sync_weights(self.state.params, self.plans[Stage.ROLLOUT])
+    opponents = cfg.train.eval_opponents if cfg.env.name != "calculator" else ("",)
+    for opponent in opponents:
+      overrides = {"opponent": opponent} if opponent else {}
+      envs = [cfg.env.make(**overrides) for _ in range(cfg.rollout.num_slots)]
+      n = _round_up(cfg.train.eval_episodes, cfg.rollout.num_slots)
+      episodes = [rollout.EpisodeSpec(seed=_EVAL_SEED_BASE + i, group_id=0) for i in range(n)]
+      result = self.play(rollout_params, episodes, envs, jax.random.key(step), evaluation=True)
+      name = opponent or "calculator"
+      out.update(loop_stats.outcome_rates(result.episodes, f"eval/{name}"))
+    return out
+
+  def checkpoint_state(self) -> dict[str, Any]:
+    return {"train": self.state, "reference": self.ref_params}
+
+  def restore(self, ckpt: checkpoint_lib.Checkpointer) -> None:
+    if ckpt.latest_step() is None:
+      return
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.checkpoint_state()
+    )
+    restored, meta = ckpt.restore(abstract_state=abstract)
+    self.state, self.ref_params = restored["train"], restored["reference"]
+    self.start_step = int(meta["step"]) + 1
+    logging.info("resumed from step %d (%s)", meta["step"], ckpt.directory)
+
+  def run(self) -> list[dict[str, Any]]:
+    """Trains to ``cfg.train.num_steps``; returns the metrics rows written by this call."""
+    cfg = self.cfg
+    ckpt = self.checkpointer = checkpoint_lib.Checkpointer(
+      self.workdir / "checkpoints",
+      save_every=cfg.train.checkpoint_every,
+      keep=cfg.train.keep_checkpoints,
+    )
+    self.restore(ckpt)
+    uninstall = checkpoint_lib.install_preemption_handler()
+    writer = metrics_lib.MetricsWriter(
+      self.workdir, config=config_lib.to_dict(cfg), resume_step=self.start_step - 1
+    )
+    writer.write_event(self.start_step, "plan", {"plan": self.plans.describe()})
+    progress = metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step)
+    rows, timer = [], metrics_lib.StageTimer()
+    try:
+      for step in range(self.start_step, cfg.train.num_steps):
+        start = time.perf_counter()
+        scalars = self.train_step(step, timer)
+        last = step == cfg.train.num_steps - 1
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+          with timer("eval"):
+            scalars.update(self.evaluate(step))
+        scalars.update(timer.summary(reset=True))
+        scalars["time/step"] = time.perf_counter() - start
+        scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
+        scalars["compilations"] = self.programs.cache.compilations
+        if step % cfg.train.log_every == 0 or last or "eval/" in "".join(scalars):
+          writer.write(step, scalars)
+          rows.append({"step": step, **scalars})
+        progress.update(step + 1, scalars)
+        meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
+        stop = checkpoint_lib.preempted()
+        ckpt.save(step, state=self.checkpoint_state(), meta=meta, force=last or stop)
+        if stop:
+          logging.warning("SIGTERM: saved step %d, exiting", step)
+          break
+    finally:
+      ckpt.wait()
+      ckpt.close()
+      writer.close()
+      uninstall()
+    return rows
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def run(cfg: config_lib.ExperimentConfig, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
+  """Builds a Trainer for ``cfg`` and trains; the entry point of ``launch/train.py``."""
+  return Trainer(cfg, workdir).run()

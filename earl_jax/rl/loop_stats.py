@@ -1,0 +1,61 @@
+"""Host-side scalars of a training step: rollout outcomes, evaluation rates, dispatch volumes.
+
+Data flow: ``rl/loop.py`` turns each stage's small host metadata into the flat dict written by
+``metrics.MetricsWriter``; key names follow ``earl_jax.metrics`` (reward/mean, win_rate,
+context_len/mean|max, eval/<opponent>/win_rate, time/<stage>).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from earl_jax import metrics as metrics_lib
+from earl_jax.parallel.dispatcher import DispatchStats
+from earl_jax.rl.rollout import EpisodeStats, RolloutResult
+
+_OUTCOMES = ("win", "draw", "loss", "invalid", "correct", "wrong", "truncated", "max_turns")
+
+
+def outcome_rates(episodes: Sequence[EpisodeStats], prefix: str) -> dict[str, float]:
+  """Fraction of episodes per outcome (win/draw/loss/invalid/...) and invalid moves per turn."""
+  n = max(len(episodes), 1)
+  out = {f"{prefix}/{o}_rate": sum(e.outcome == o for e in episodes) / n for o in _OUTCOMES}
+  out = {k: v for k, v in out.items() if v > 0 or k.endswith(("win_rate", "invalid_rate"))}
+  turns = max(sum(e.turns for e in episodes), 1)
+  out[f"{prefix}/invalid_move_rate"] = sum(e.invalid_moves for e in episodes) / turns
+  out[f"{prefix}/reward"] = float(np.mean([e.reward for e in episodes])) if episodes else 0.0
+  return out
+
+
+def rollout_scalars(result: RolloutResult) -> dict[str, Any]:
+  episodes = result.episodes
+  lengths = np.asarray([e.context_len for e in episodes])
+  turns = np.asarray([e.turns for e in episodes])
+  out: dict[str, Any] = {
+    metrics_lib.REWARD_KEY: float(np.mean([e.reward for e in episodes])),
+    "reward/std": float(np.std([e.reward for e in episodes])),
+    metrics_lib.CONTEXT_MEAN_KEY: float(lengths.mean()),
+    metrics_lib.CONTEXT_MAX_KEY: int(lengths.max()),
+    "context_len/p90": float(np.percentile(lengths, 90)),
+    "turns/mean": float(turns.mean()),
+    "truncated_rate": float(np.mean([e.truncated for e in episodes])),
+    "rollout/generated_tokens": result.generated_tokens,
+    "rollout/generate_calls": result.turns,
+    "rollout/episodes_per_second": len(episodes) / max(result.seconds, 1e-9),
+    "batch/seq_len": int(result.batch.tokens_BxT.shape[1]),
+  }
+  rates = outcome_rates(episodes, "train")
+  out[metrics_lib.WIN_RATE_KEY] = rates.pop("train/win_rate")
+  out.update(rates)
+  return out
+
+
+def dispatch_scalars(stats: DispatchStats, prefix: str) -> dict[str, float]:
+  return {
+    f"{prefix}/bytes_moved": stats.bytes_moved,
+    f"{prefix}/bytes_through_host": stats.bytes_through_host,
+    f"{prefix}/seconds": stats.seconds,
+  }
