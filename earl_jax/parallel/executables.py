@@ -1,0 +1,267 @@
+"""Compiled stage programs, one per (stage, plan, shape bucket), with memory and cost analyses.
+
+Data flow: the loop asks the selector for a StagePlan, then asks this cache for the program of that
+plan and the current length bucket. Each program is the stage's pure function jitted with the
+plan's explicit in/out shardings and donation, lowered from abstract shapes (nothing allocated)
+and compiled ahead of time, so ``memory_analysis()`` is known before the program ever runs: the
+selector checks that a plan fits before first use. A repeated key reuses the compiled program.
+
+Memory figures are per device. On CPU ``peak_memory_in_bytes`` leaves out temporaries
+(env_probe.md section 2), so the peak used here is argument + output + temp - alias everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from earl_jax import model as model_lib
+from earl_jax.parallel import mesh as mesh_lib
+from earl_jax.parallel.plan import StagePlan
+from earl_jax.rl import reference, update
+from earl_jax.sampler import engine
+from earl_jax.types import Stage
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+  """Per-device bytes of a compiled program."""
+
+  argument: int
+  output: int
+  temp: int
+  alias: int
+
+  @property
+  def peak(self) -> int:
+    return self.argument + self.output + self.temp - self.alias
+
+  @classmethod
+  def of(cls, compiled: jax.stages.Compiled) -> MemoryStats:
+    m = compiled.memory_analysis()
+    return cls(
+      int(m.argument_size_in_bytes),
+      int(m.output_size_in_bytes),
+      int(m.temp_size_in_bytes),
+      int(m.alias_size_in_bytes),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+  """A compiled stage program and what the selector needs to know about it."""
+
+  stage: Stage
+  plan: StagePlan
+  bucket: tuple[int, ...]
+  compiled: jax.stages.Compiled
+  memory: MemoryStats
+  flops: float  # per device, from cost_analysis
+  bytes_accessed: float  # per device
+  compile_seconds: float
+
+  def __call__(self, *args: Any) -> Any:
+    return self.compiled(*args)
+
+
+def _cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax returned one dict per computation
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+class ExecutableCache:
+  """Programs keyed by (stage, plan, bucket, extra); ``compilations`` counts real compiles."""
+
+  def __init__(self) -> None:
+    self._programs: dict[Hashable, StageProgram] = {}
+    self.compilations = 0
+
+  def get(
+    self,
+    stage: Stage,
+    plan: StagePlan,
+    bucket: tuple[int, ...],
+    lower: Callable[[], jax.stages.Lowered],
+    extra: Hashable = (),
+  ) -> StageProgram:
+    key = (stage, plan, bucket, extra)
+    program = self._programs.get(key)
+    if program is None:
+      start = time.perf_counter()
+      compiled = lower().compile()
+      seconds = time.perf_counter() - start
+      flops, nbytes = _cost(compiled)
+      program = StageProgram(
+        stage, plan, bucket, compiled, MemoryStats.of(compiled), flops, nbytes, seconds
+      )
+      self._programs[key] = program
+      self.compilations += 1
+    return program
+
+  def __len__(self) -> int:
+    return len(self._programs)
+
+  def evict(self, stage: Stage, plan: StagePlan) -> None:
+    """Drops every program of ``plan`` (e.g. after it ran out of memory)."""
+    self._programs = {
+      k: v for k, v in self._programs.items() if not (k[0] == stage and k[1] == plan)
+    }
+
+
+def _sds(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+  # Not jnp.dtype(dtype): it rejects extended dtypes such as PRNG keys (key<fry>).
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), tree, shardings)
+
+
+def replicated(plan: StagePlan) -> NamedSharding:
+  return NamedSharding(mesh_lib.build_mesh(plan), P())
+
+
+def cache_shardings(plan: StagePlan, cache: model_lib.KVCache) -> model_lib.KVCache:
+  """Shardings of a KV cache under ``plan`` (from the cache's logical axes; fails closed)."""
+  specs = model_lib.cache_partition_specs()
+  return jax.tree.map(
+    lambda spec, x: mesh_lib.logical_to_sharding(tuple(spec), x.shape, plan),
+    specs,
+    cache,
+    is_leaf=lambda x: isinstance(x, P),
+  )
+
+
+def lower_generate(
+  plan: StagePlan,
+  graphdef: nnx.GraphDef,
+  abstract_state: nnx.State,
+  cache_len: int,
+  spec: engine.GenerationSpec,
+  bucket: tuple[int, int],
+) -> jax.stages.Lowered:
+  """The rollout program for ``bucket`` = (slots B, prompt chunk P); the cache is donated."""
+  b, p = bucket
+  cfg = graphdef_config(graphdef, abstract_state)
+  cache = jax.eval_shape(lambda: model_lib.init_cache(cfg, b, cache_len))
+  state_sh = mesh_lib.state_shardings(abstract_state, plan)
+  cache_sh = cache_shardings(plan, cache)
+  row2, row1 = mesh_lib.batch_sharding(plan, 2), mesh_lib.batch_sharding(plan, 1)
+  rep = replicated(plan)
+  args = (
+    _abstract(abstract_state, state_sh),
+    _abstract(cache, cache_sh),
+    _sds((b, p), jnp.int32, row2),
+    _sds((b, p), jnp.bool_, row2),
+    _sds((b, p), jnp.int32, row2),
+    _sds((b,), jnp.bool_, row1),
+    jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep),
+  )
+  out_sh = engine.GenerateOutput(row2, row2, row2, row1, row1, row1)
+  fn = functools.partial(engine.generate_split, graphdef, spec=spec)
+  jitted = jax.jit(
+    fn,
+    in_shardings=(state_sh, cache_sh, row2, row2, row2, row1, rep),
+    out_shardings=(out_sh, cache_sh),
+    donate_argnums=(1,),
+  )
+  return jitted.lower(*args)
+
+
+def graphdef_config(graphdef: nnx.GraphDef, abstract_state: nnx.State) -> Any:
+  """The ModelConfig a Decoder graph was built with."""
+  return nnx.merge(graphdef, abstract_state).cfg
+
+
+def _score_split(graphdef, state, tokens, positions, valid, *, chunk_size, temperature):
+  m = nnx.merge(graphdef, state)
+  return reference.token_logps(
+    m, tokens, positions, valid, chunk_size=chunk_size, temperature=temperature
+  )[0]
+
+
+def lower_score(
+  plan: StagePlan,
+  graphdef: nnx.GraphDef,
+  abstract_state: nnx.State,
+  bucket: tuple[int, int],
+  *,
+  chunk_size: int,
+  temperature: float = 1.0,
+) -> jax.stages.Lowered:
+  """The reference program (log-probs of given tokens) for ``bucket`` = (B, T)."""
+  b, t = bucket
+  state_sh = mesh_lib.state_shardings(abstract_state, plan)
+  row2 = mesh_lib.batch_sharding(plan, 2)
+  fn = functools.partial(_score_split, graphdef, chunk_size=chunk_size, temperature=temperature)
+  jitted = jax.jit(fn, in_shardings=(state_sh, row2, row2, row2), out_shardings=row2)
+  args = (
+    _abstract(abstract_state, state_sh),
+    _sds((b, t), jnp.int32, row2),
+    _sds((b, t), jnp.int32, row2),
+    _sds((b, t), jnp.bool_, row2),
+  )
+  return jitted.lower(*args)
+
+
+def lower_update(
+  plan: StagePlan,
+  graphdef: nnx.GraphDef,
+  abstract_train_state: update.TrainState,
+  abstract_batch: Any,
+  *,
+  loss_fn: update.LossFn,
+  optimizer: optax.GradientTransformation,
+) -> jax.stages.Lowered:
+  """The update program; the train state is donated. ``abstract_batch`` leaves are [B, ...]."""
+  state_sh = train_state_shardings(plan, abstract_train_state, optimizer)
+  batch_sh = jax.tree.map(lambda x: mesh_lib.batch_sharding(plan, len(x.shape)), abstract_batch)
+  b = jax.tree.leaves(abstract_batch)[0].shape[0]
+  micro = plan.micro_batch_size or b  # 0 means the whole batch in one step
+  if b % micro:
+    raise ValueError(f"batch {b} is not divisible by micro_batch_size={plan.micro_batch_size}")
+  fn = functools.partial(
+    update.update_step,
+    graphdef,
+    loss_fn=loss_fn,
+    optimizer=optimizer,
+    num_micro_batches=b // micro,
+  )
+  jitted = jax.jit(
+    fn,
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, replicated(plan)),
+    donate_argnums=(0,),
+  )
+  return jitted.lower(
+    _abstract(abstract_train_state, state_sh), _abstract(abstract_batch, batch_sh)
+  )
+
+
+def train_state_shardings(
+  plan: StagePlan, abstract_train_state: update.TrainState, optimizer: optax.GradientTransformation
+) -> update.TrainState:
+  """Params, and the optimiser leaves shaped like params (Adam moments), share their layout."""
+  params_sh = mesh_lib.state_shardings(abstract_train_state.params, plan)
+  rep = replicated(plan)
+  opt_sh = optax.tree_map_params(
+    optimizer,
+    lambda _, sharding: sharding,
+    abstract_train_state.opt_state,
+    params_sh,
+    transform_non_params=lambda _: rep,
+  )
+  return update.TrainState(step=rep, params=params_sh, opt_state=opt_sh, rng=rep)
