@@ -1,0 +1,488 @@
+"""The parallelism selector: a StagePlan per (stage, load, length bucket), never one that OOMs.
+
+Data flow: before each stage call the loop asks ``Selector.choose(stage, load=, bucket=)``; the
+chosen plan goes to the executable cache (compiled program of that plan and bucket) and the
+dispatcher (moves the batch into the plan's layout). EARL (arXiv 2510.05943) did this for the
+rollout only; here it runs for rollout, reference and update.
+
+Candidates are every factorisation of the devices into data x fsdp x tensor that passes
+``validate_for_model`` (rollout and reference treat fsdp as data parallelism, so only fsdp=1 is
+listed for them), times micro-batch sizes (rollout/reference: the loop runs the load in waves of
+``micro_batch_size`` sequences; update: gradient accumulation) and, for the update, remat.
+Feasibility: the analytic memory model (``memory_model``) against the per-device budget, then,
+before first use, the compiled program's ``memory_analysis`` (``compiled_memory`` callback), then
+at run time RESOURCE_EXHAUSTED (``run_with_recovery`` marks the plan infeasible and retries).
+Choice: measured throughput from the profiling table (EARL's method; kept as JSON in the workdir
+and reloaded on restart) where there is one, else the analytic cost model. Hysteresis: the current
+plan of a stage is kept while it is feasible and the best alternative is not more than
+``hysteresis`` (a fraction) faster, so a length hovering at a bucket boundary does not flap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from earl_jax.config_lib import ConfigError, ModelConfig
+from earl_jax.parallel import memory_model as mm
+from earl_jax.parallel.plan import ShardingError, StagePlan, make_stage_plan, validate_for_model
+from earl_jax.types import Stage
+
+log = logging.getLogger(__name__)
+
+
+class NoFeasiblePlanError(RuntimeError):
+  """No candidate plan fits the stage, load and bucket (the message lists every rejection)."""
+
+
+def bucket_for(length: int, min_bucket: int = 256) -> int:
+  """The power-of-two length bucket holding ``length`` (at least ``min_bucket``)."""
+  if length < 1 or min_bucket < 1:
+    raise ValueError(
+      f"bucket_for needs length >= 1 and min_bucket >= 1, got {length}, {min_bucket}"
+    )
+  return max(1 << (length - 1).bit_length(), 1 << (min_bucket - 1).bit_length())
+
+
+def is_resource_exhausted(error: BaseException) -> bool:
+  """True for an XLA out-of-memory error (JaxRuntimeError / XlaRuntimeError RESOURCE_EXHAUSTED)."""
+  names = {c.__name__ for c in type(error).__mro__}
+  return bool(names & {"JaxRuntimeError", "XlaRuntimeError"}) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def _factorisations(n: int) -> list[tuple[int, int, int]]:
+  divs = [d for d in range(1, n + 1) if n % d == 0]
+  return [(d, f, n // (d * f)) for d in divs for f in divs if (n // d) % f == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One ranked alternative of a decision."""
+
+  plan: StagePlan
+  predicted_bytes: int
+  throughput: float  # tokens / s
+  source: str  # "measured" | "predicted"
+  spread: tuple[float, float] = (0.0, 0.0)  # min/max measured throughput over repeats
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+      "plan": self.plan.describe(),
+      "predicted_bytes": self.predicted_bytes,
+      "throughput": self.throughput,
+      "source": self.source,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The selector's answer for one (stage, load, bucket), with everything it weighed."""
+
+  stage: Stage
+  bucket: int
+  load: int
+  plan: StagePlan
+  predicted_bytes: int
+  throughput: float
+  source: str
+  reason: str
+  alternatives: tuple[Candidate, ...]  # feasible ones, best first
+  rejected: tuple[tuple[str, str], ...]  # (plan, why)
+  budget_bytes: int
+  compiled_bytes: int | None = None
+
+  def to_event(self) -> dict[str, Any]:
+    """Payload for ``MetricsWriter.write_event(step, "selector_decision", ...)``."""
+    return {
+      "stage": self.stage.value,
+      "bucket": self.bucket,
+      "load": self.load,
+      "plan": self.plan.describe(),
+      "predicted_bytes": self.predicted_bytes,
+      "compiled_bytes": self.compiled_bytes,
+      "budget_bytes": self.budget_bytes,
+      "throughput": self.throughput,
+      "throughput_source": self.source,
+      "reason": self.reason,
+      "alternatives": [c.to_dict() for c in self.alternatives[1:]],
+      "rejected": [list(r) for r in self.rejected],
+    }
+
+
+def memory_budget_from_devices(devices: Sequence[Any]) -> int | None:
+  """The smallest ``memory_stats()['bytes_limit']`` of the devices, or None if unavailable."""
+  limits = []
+  for d in devices:
+    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+      return None
+    limits.append(int(stats["bytes_limit"]))
+  return min(limits) if limits else None
+
+
+class Selector:
+  """Chooses StagePlans; see the module docstring. Not thread-safe (one per training loop)."""
+
+  def __init__(
+    self,
+    model_cfg: ModelConfig,
+    devices: Sequence[Any],
+    *,
+    memory_budget_bytes: int | None = None,
+    profile_path: str | None = None,
+    hysteresis: float = 0.1,
+    device_spec: mm.DeviceSpec = mm.DEFAULT_SPEC,
+    micro_batch_splits: Sequence[int] | None = None,
+    remat_options: Sequence[str] = ("none", "full"),
+    prompt_chunk: int = 16,
+    new_tokens: int = 8,
+    logits_chunk: int = 128,
+    metrics: Any = None,
+  ) -> None:
+    if not devices:
+      raise ConfigError("devices", devices, "a non-empty list of devices")
+    if hysteresis < 0:
+      raise ConfigError("hysteresis", hysteresis, "a fraction >= 0")
+    self.cfg, self.device_ids = model_cfg, tuple(int(d.id) for d in devices)
+    from_devices = memory_budget_from_devices(devices)
+    if memory_budget_bytes is None:
+      if from_devices is None:
+        raise ConfigError(
+          "memory_budget_bytes",
+          None,
+          "bytes per device: this backend's device.memory_stats() has no 'bytes_limit'",
+        )
+      self.budget, origin = from_devices, "device.memory_stats()['bytes_limit']"
+    else:
+      if memory_budget_bytes < 1:
+        raise ConfigError("memory_budget_bytes", memory_budget_bytes, "a positive int")
+      self.budget, origin = int(memory_budget_bytes), "config (simulated limit)"
+    log.info("selector: memory budget %.3f GiB per device from %s", self.budget / 2**30, origin)
+    self.hysteresis, self.spec, self.metrics = hysteresis, device_spec, metrics
+    self.splits = None if micro_batch_splits is None else tuple(micro_batch_splits)
+    self.remats = tuple(remat_options)
+    self.shape = {"prompt_chunk": prompt_chunk, "new_tokens": new_tokens}
+    self.shape["logits_chunk"] = logits_chunk
+    self.profile_path = profile_path
+    self.table: dict[str, dict[str, Any]] = {}
+    if profile_path and os.path.exists(profile_path):
+      with open(profile_path) as f:
+        self.table = json.load(f)
+      log.info("selector: loaded %d profiled entries from %s", len(self.table), profile_path)
+    self._infeasible: dict[tuple[Stage, int, StagePlan], tuple[int, str]] = {}
+    self._compiled: dict[tuple[Stage, int, int, StagePlan], int] = {}
+    self._current: dict[Stage, StagePlan] = {}
+
+  # -- candidates ---------------------------------------------------------------------------
+
+  def candidates(self, stage: Stage, load: int) -> tuple[list[StagePlan], list[tuple[str, str]]]:
+    """All plans for ``stage`` and ``load`` that pass validation, and (plan, why) rejections."""
+    plans, rejected = [], []
+    for d, f, t in _factorisations(len(self.device_ids)):
+      if f > 1 and stage != Stage.UPDATE:
+        continue  # rollout/reference rules map fsdp to batch only: same as data
+      # Default splits: every power of two dividing the load (waves of load / split sequences).
+      splits = self.splits or [1 << i for i in range(load.bit_length()) if load % (1 << i) == 0]
+      for split in splits:
+        if load % split:
+          continue
+        mb = 0 if split == 1 else load // split
+        for remat in self.remats if stage == Stage.UPDATE else ("none",):
+          plan = make_stage_plan(stage, self.device_ids, d, f, t, micro_batch_size=mb, remat=remat)
+          try:
+            validate_for_model(plan, self.cfg, batch_size=mb or load)
+          except ShardingError as e:
+            rejected.append((plan.describe(), str(e)))
+            continue
+          plans.append(plan)
+    return plans, rejected
+
+  def _workload(self, stage: Stage, load: int, bucket: int, plan: StagePlan) -> mm.Workload:
+    # Rollout/reference run the load in waves of micro_batch_size; the update accumulates.
+    wave = plan.micro_batch_size if plan.micro_batch_size and stage != Stage.UPDATE else load
+    return mm.Workload(stage, wave, bucket, **self.shape)
+
+  def predict(self, stage: Stage, load: int, bucket: int, plan: StagePlan) -> tuple[int, float]:
+    """(predicted peak bytes per device, predicted tokens/s for the whole load) of ``plan``."""
+    w = self._workload(stage, load, bucket, plan)
+    seconds = mm.estimate_seconds(self.cfg, plan, w, self.spec) * (load // w.load)
+    tokens = load * (w.new_tokens if stage == Stage.ROLLOUT else bucket)
+    return mm.estimate_memory(self.cfg, plan, w, self.spec).total, tokens / seconds
+
+  @staticmethod
+  def _key(stage: Stage, bucket: int, load: int, plan: StagePlan) -> str:
+    return f"{stage.value}|{bucket}|{load}|{plan.describe()}"
+
+  def _infeasible_reason(self, stage: Stage, bucket: int, load: int, plan: StagePlan) -> str:
+    hit = self._infeasible.get((stage, bucket, plan))
+    return hit[1] if hit is not None and load >= hit[0] else ""
+
+  # -- choice -------------------------------------------------------------------------------
+
+  def ranked(
+    self, stage: Stage, *, load: int, bucket: int
+  ) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """Feasible candidates best first (measured before predicted), and the rejected ones."""
+    plans, rejected = self.candidates(stage, load)
+    feasible = []
+    for plan in plans:
+      nbytes, predicted = self.predict(stage, load, bucket, plan)
+      why = self._infeasible_reason(stage, bucket, load, plan)
+      compiled = self._compiled.get((stage, bucket, load, plan))
+      if not why and nbytes > self.budget:
+        why = f"predicted {nbytes} B > budget {self.budget} B"
+      if not why and compiled is not None and compiled > self.budget:
+        why = f"compiled peak {compiled} B > budget {self.budget} B"
+      if why:
+        rejected.append((plan.describe(), why))
+        continue
+      row = self.table.get(self._key(stage, bucket, load, plan))
+      if row is not None:
+        spread = (row["min"], row["max"])
+        feasible.append(Candidate(plan, nbytes, row["throughput"], "measured", spread))
+      else:
+        feasible.append(Candidate(plan, nbytes, predicted, "predicted"))
+    feasible.sort(key=lambda c: (c.source != "measured", -c.throughput))
+    return feasible, rejected
+
+  def choose(
+    self,
+    stage: Stage,
+    *,
+    load: int,
+    bucket: int,
+    compiled_memory: Callable[[StagePlan], Any] | None = None,
+    step: int = 0,
+  ) -> Decision:
+    """The plan for ``stage`` at ``load`` sequences and length ``bucket``.
+
+    ``compiled_memory(plan)`` (optional) returns the compiled program's MemoryStats (anything with
+    ``.peak``); it is called before a plan's first use in this bucket, and a plan whose compiled
+    peak exceeds the budget is marked infeasible and the next one is tried.
+    """
+    while True:
+      feasible, rejected = self.ranked(stage, load=load, bucket=bucket)
+      if not feasible:
+        lines = "\n  ".join(f"{p}: {why}" for p, why in rejected)
+        raise NoFeasiblePlanError(
+          f"no plan fits {stage.value} at load={load}, bucket={bucket} with "
+          f"{self.budget} B per device; rejected:\n  {lines}"
+        )
+      best, reason = feasible[0], f"best {feasible[0].source} throughput"
+      current = self._current.get(stage)
+      kept = next((c for c in feasible if c.plan == current), None)
+      close = kept is not None and best.throughput <= kept.throughput * (1 + self.hysteresis)
+      if close and kept is not best and best.source == kept.source:
+        reason = f"hysteresis: best is within {self.hysteresis:.0%} of the current plan"
+        best = kept
+      key = (stage, bucket, load, best.plan)
+      if compiled_memory is not None and key not in self._compiled:
+        self._compiled[key] = int(compiled_memory(best.plan).peak)
+        if self._compiled[key] > self.budget:
+          continue  # ranked() now rejects it
+      break
+    alternatives = (best, *[c for c in feasible if c is not best])
+    decision = Decision(
+      stage, bucket, load, best.plan, best.predicted_bytes, best.throughput, best.source,
+      reason, alternatives, tuple(rejected), self.budget, self._compiled.get(key),
+    )  # fmt: skip
+    self._current[stage] = best.plan
+    log.info(
+      "selector: %s load=%d bucket=%d -> %s (%s, %.3g tok/s, %d B predicted)",
+      stage.value, load, bucket, best.plan.describe(), reason, best.throughput,
+      best.predicted_bytes,
+    )  # fmt: skip
+    if self.metrics is not None:
+      self.metrics.write_event(step, "selector_decision", decision.to_event())
+    return decision
+
+  def mark_infeasible(
+    self, stage: Stage, bucket: int, plan: StagePlan, *, load: int = 0, reason: str = ""
+  ) -> None:
+    """Never choose ``plan`` again for ``bucket`` at ``load`` sequences or more."""
+    key = (stage, bucket, plan)
+    old = self._infeasible.get(key)
+    if old is None or load < old[0]:
+      self._infeasible[key] = (load, reason or "marked infeasible (ran out of memory)")
+    if self._current.get(stage) == plan:
+      del self._current[stage]
+    log.warning("selector: %s marked infeasible for bucket %d, load >= %d", plan, bucket, load)
+
+  # -- profiling and recovery ---------------------------------------------------------------
+
+  def profile(
+    self,
+    stage: Stage,
+    bucket: int,
+    candidates: Sequence[StagePlan] | None,
+    run_fn: Callable[[StagePlan], Any],
+    *,
+    load: int,
+    repeats: int = 3,
+  ) -> dict[str, float]:
+    """Times ``run_fn(plan)`` (one stage call on real data) for each plan; saves the table.
+
+    The first call per plan is a warm-up (compilation); throughput = tokens of the call / median
+    of ``repeats`` timed calls. A plan that runs out of memory is marked infeasible.
+    """
+    if candidates is None:
+      candidates = [c.plan for c in self.ranked(stage, load=load, bucket=bucket)[0]]
+    tokens = load * (self.shape["new_tokens"] if stage == Stage.ROLLOUT else bucket)
+    out = {}
+    for plan in candidates:
+      try:
+        run_fn(plan)
+        times = []
+        for _ in range(repeats):
+          start = time.perf_counter()
+          run_fn(plan)
+          times.append(time.perf_counter() - start)
+      except Exception as e:
+        if not is_resource_exhausted(e):
+          raise
+        self.mark_infeasible(stage, bucket, plan, load=load, reason=f"OOM while profiling: {e}")
+        continue
+      row = {
+        "throughput": tokens / statistics.median(times),
+        "min": tokens / max(times),
+        "max": tokens / min(times),
+      }
+      self.table[self._key(stage, bucket, load, plan)] = row
+      out[plan.describe()] = row["throughput"]
+    self.save_profile()
+    return out
+
+  def save_profile(self) -> None:
+    if not self.profile_path:
+      return
+    os.makedirs(os.path.dirname(os.path.abspath(self.profile_path)), exist_ok=True)
+    tmp = self.profile_path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(self.table, f, indent=1, sort_keys=True)
+    os.replace(tmp, self.profile_path)  # atomic: a crash never leaves half a table
+
+  def run_with_recovery(
+    self,
+    stage: Stage,
+    bucket: int,
+    run_fn: Callable[[StagePlan], Any],
+    *,
+    load: int,
+    step: int = 0,
+    compiled_memory: Callable[[StagePlan], Any] | None = None,
+  ) -> tuple[Any, Decision]:
+    """Runs the stage with the chosen plan; on RESOURCE_EXHAUSTED marks it and retries the next.
+
+    Raises NoFeasiblePlanError when every plan has failed (nothing is silently skipped).
+    """
+    while True:
+      decision = self.choose(
+        stage, load=load, bucket=bucket, compiled_memory=compiled_memory, step=step
+      )
+      try:
+        return run_fn(decision.plan), decision
+      except Exception as e:
+        if not is_resource_exhausted(e):
+          raise
+        self.mark_infeasible(stage, bucket, decision.plan, load=load, reason=f"OOM at run: {e}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+  """'80GiB' / '80GB' / '1.5e9' -> bytes."""
+  s = text.strip().lower().replace(" ", "")
+  num = s.rstrip("kmgtib")
+  unit = s[len(num) :]
+  if unit not in _UNITS or not num:
+    raise ConfigError("device-memory", text, f"a number with a unit in {sorted(_UNITS)}")
+  return int(float(num) * _UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanningDevice:
+  """A device id for planning without hardware (no memory_stats: the budget comes from flags)."""
+
+  id: int
+
+
+def plan_report(selector: Selector, stage: Stage, load: int, context: int) -> dict[str, Any]:
+  """The CLI's answer as a dict: chosen plan, its memory breakdown, ranked alternatives."""
+  bucket = bucket_for(context, min_bucket=1)
+  d = selector.choose(stage, load=load, bucket=bucket)
+  w = selector._workload(stage, load, bucket, d.plan)
+  return {
+    "stage": stage.value,
+    "load": load,
+    "context": context,
+    "bucket": bucket,
+    "budget_bytes": selector.budget,
+    "plan": d.plan.describe(),
+    "predicted_bytes": d.predicted_bytes,
+    "memory": mm.estimate_memory(selector.cfg, d.plan, w, selector.spec).to_dict(),
+    "throughput": d.throughput,
+    "ranked": [c.to_dict() for c in d.alternatives],
+    "rejected": [list(r) for r in d.rejected],
+  }
+
+
+def _format_text(report: dict[str, Any]) -> str:
+  gib = 2**30
+  lines = [
+    f"{report['stage']} load={report['load']} context={report['context']} "
+    f"(bucket {report['bucket']}), budget {report['budget_bytes'] / gib:.2f} GiB/device",
+    f"chosen: {report['plan']}  predicted {report['predicted_bytes'] / gib:.2f} GiB/device, "
+    f"{report['throughput']:.4g} tok/s",
+    "  " + ", ".join(f"{k}={v / gib:.2f}GiB" for k, v in report["memory"].items()),
+    "ranked alternatives:",
+  ]
+  for i, c in enumerate(report["ranked"]):
+    lines.append(
+      f"  {i + 1:2d}. {c['plan']:60s} {c['predicted_bytes'] / gib:8.2f} GiB "
+      f"{c['throughput']:10.4g} tok/s ({c['source']})"
+    )
+  lines.append(f"rejected: {len(report['rejected'])}")
+  lines += [f"  {p}: {why}" for p, why in report["rejected"]]
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  import argparse
+
+  from earl_jax.parallel.presets import resolve_model
+
+  ap = argparse.ArgumentParser(description="Plan a stage layout with the analytic model.")
+  ap.add_argument("--model", required=True, help="preset name or path to a HF config.json")
+  ap.add_argument("--devices", type=int, required=True)
+  ap.add_argument("--device-memory", required=True, help="per device, e.g. 80GiB")
+  ap.add_argument("--stage", choices=[s.value for s in Stage], default="rollout")
+  ap.add_argument("--context", type=int, required=True, help="context length (tokens)")
+  ap.add_argument("--responses", type=int, required=True, help="concurrent sequences / batch")
+  ap.add_argument("--new-tokens", type=int, default=8, help="rollout decode steps per call")
+  ap.add_argument("--format", choices=["text", "json"], default="text")
+  args = ap.parse_args(argv)
+  selector = Selector(
+    resolve_model(args.model),
+    [_PlanningDevice(i) for i in range(args.devices)],
+    memory_budget_bytes=parse_bytes(args.device_memory),
+    new_tokens=args.new_tokens,
+  )
+  try:
+    report = plan_report(selector, Stage(args.stage), args.responses, args.context)
+  except NoFeasiblePlanError as e:
+    print(f"error: {e}")
+    return 1
+  print(json.dumps(report, indent=1) if args.format == "json" else _format_text(report))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
