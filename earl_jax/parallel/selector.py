@@ -402,9 +402,10 @@ def parse_bytes(text: str) -> int:
   s = text.strip().lower().replace(" ", "")
   num = s.rstrip("kmgtib")
   unit = s[len(num) :]
-  if unit not in _UNITS or not num:
-    raise ConfigError("device-memory", text, f"a number with a unit in {sorted(_UNITS)}")
-  return int(float(num) * _UNITS[unit])
+  try:
+    return int(float(num) * _UNITS[unit])
+  except (KeyError, ValueError):
+    raise ConfigError("device-memory", text, f"a number with a unit in {sorted(_UNITS)}") from None
 
 
 @dataclasses.dataclass(frozen=True)
