@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from earl_jax.parallel import blocks
@@ -132,6 +131,13 @@ def _plan_route(x: jax.Array, dst: Sharding) -> str:
   if x.is_fully_addressable and dst.is_fully_addressable:
     if blocks.blocks_line_up(src, dst, shape):
       return "put"
+    if n_dst == n_src:  # both work: take the one that moves fewer bytes
+      item = x.dtype.itemsize
+      costs = {
+        r: _two_hop_cost(src, mid(src, blocks.as_named(dst)), dst, shape, item)
+        for r, mid in (("jit_put", _mid_jit_put), ("put_jit", _mid_put_jit))
+      }
+      return min(costs, key=costs.get)
     if n_dst % n_src == 0:
       return "put_jit"
     if n_src % n_dst == 0:
@@ -143,6 +149,27 @@ def _plan_route(x: jax.Array, dst: Sharding) -> str:
   raise DispatchError(
     f"cannot move a {shape} array from {n_src} to {n_dst} other devices on device: "
     "use device sets whose sizes are multiples of each other"
+  )
+
+
+def _mid_put_jit(src: Sharding, dst: NamedSharding) -> NamedSharding:
+  """The source layout on the destination devices (replicated if there are more of them)."""
+  return blocks.with_devices(blocks.as_named(src), _devices(dst))
+
+
+def _mid_jit_put(src: Sharding, dst: NamedSharding) -> NamedSharding:
+  """The destination blocks on the source devices (replicated if there are more of them)."""
+  copies = len(src.device_set) // len(dst.device_set)
+  grid = _grid(_devices(src), (*dst.mesh.devices.shape, copies))
+  return NamedSharding(Mesh(grid, (*dst.mesh.axis_names, "_copy")), dst.spec)
+
+
+def _two_hop_cost(
+  src: Sharding, mid: Sharding, dst: Sharding, shape: tuple[int, ...], item: int
+) -> int:
+  return (
+    blocks.move_cost(src, mid, shape, item).bytes_moved
+    + blocks.move_cost(mid, dst, shape, item).bytes_moved
   )
 
 
@@ -215,12 +242,10 @@ def _move(x: jax.Array, dst: Sharding, route: str) -> tuple[jax.Array, blocks.Mo
     return _identity(dst)(x), blocks.move_cost(x.sharding, dst, shape, item)
   dst_named = blocks.as_named(dst)
   if route == "put_jit":
-    mid = blocks.with_devices(blocks.as_named(x.sharding), _devices(dst_named))
+    mid = _mid_put_jit(x.sharding, dst_named)
     y = _identity(dst)(jax.device_put(x, mid))
   elif route == "jit_put":
-    copies = len(x.sharding.device_set) // len(dst.device_set)
-    grid = _grid(_devices(x.sharding), (*dst_named.mesh.devices.shape, copies))
-    mid = NamedSharding(Mesh(grid, (*dst_named.mesh.axis_names, "_copy")), dst_named.spec)
+    mid = _mid_jit_put(x.sharding, dst_named)
     y = jax.device_put(_identity(mid)(x), dst)
   elif route == "assemble":
     mid = _assemble_sharding(x.sharding, dst_named)
@@ -267,12 +292,24 @@ def _global_cost(x: jax.Array, dst: Sharding, route: str) -> blocks.MoveCost:
 
 def _move_centralized(x: jax.Array, dst: Sharding, perm_B: np.ndarray | None) -> jax.Array:
   """Single-controller baseline: the whole leaf to the host as numpy, then a host scatter."""
-  host = np.asarray(
-    x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
-  )
+  if x.is_fully_addressable:
+    # Copy shard by shard: np.asarray(x) caches the host copy on the array, which would make
+    # repeated baseline runs free.
+    host = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+      host[shard.index] = np.asarray(shard.data)
+  else:
+    # Multi-controller emulation of "gather to the controller": an on-device all-gather to every
+    # device (what process_allgather does, which also needs shards on every process), then one
+    # device->host copy per process.
+    everywhere = NamedSharding(
+      Mesh(np.array(jax.devices(), dtype=object), ("_all",)), PartitionSpec()
+    )
+    replicated, _, _ = _move_direct(x, everywhere)
+    host = np.asarray(replicated.addressable_shards[0].data)
   if perm_B is not None:
     host = host[perm_B]
-  return jax.make_array_from_callback(x.shape, dst, lambda index: host[index])
+  return jax.make_array_from_callback(x.shape, dst, lambda index: host[index], dtype=x.dtype)
 
 
 def _check_leaves(leaves: list[Any], dsts: list[Any], perm_B: np.ndarray | None) -> None:
