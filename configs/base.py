@@ -58,7 +58,8 @@ def get_config() -> ml_collections.ConfigDict:
   g.action_tag = "move"  # the answer is <action_tag>N</action_tag>
   g.on_invalid = "retry"  # after an invalid answer: end the episode | retry
   g.max_retries = 2  # retry: invalid answers in a row before the episode ends as invalid
-  g.invalid_penalty = -0.5  # reward of each invalid answer
+  g.invalid_penalty = -0.5  # reward of each invalid answer that is asked again
+  g.forfeit_reward = -0.5  # reward of the invalid answer that ends the episode; < loss_reward
   g.win_reward = 1.0
   g.draw_reward = 0.0
   g.loss_reward = -1.0

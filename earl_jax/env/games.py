@@ -29,7 +29,7 @@ The answer is ``<move>N</move>`` with N an OpenSpiel action id, i.e. the column 
 right) in Connect Four and the cell (0-8, row by row; empty cells show their id) in Tic-Tac-Toe.
 The tag name and the parser are configurable (``action_tag``, ``parse_mode``, see ``parsing``).
 An invalid answer (unparseable or illegal) costs ``invalid_penalty`` and either ends the episode
-(outcome ``invalid``) or gets the short observation ``invalid; legal: 0 1 2 4 5 6`` and another
+(outcome ``invalid``, reward ``forfeit_reward``) or gets the short observation ``invalid; legal: 0 1 2 4 5 6`` and another
 try, at most ``max_retries`` in a row. Terminal observations are the final board and a line
 ``win``/``loss``/``draw``/``invalid`` (verbose: ``Result: ...``). Rewards: ``win_reward``,
 ``draw_reward``, ``loss_reward`` on the final step, ``invalid_penalty`` per invalid answer.
@@ -157,7 +157,9 @@ class GameEnvConfig:
   action_tag: str = "move"  # the answer is <action_tag>N</action_tag>
   on_invalid: base.OnInvalid = base.OnInvalid.RETRY
   max_retries: int = 2  # RETRY: invalid answers in a row before the episode ends as invalid
-  invalid_penalty: float = -0.5  # reward of each invalid answer
+  invalid_penalty: float = -0.5  # reward of each invalid answer that is asked again
+  forfeit_reward: float = -0.5  # reward of the invalid answer that ends the episode (outcome
+  # invalid): keep it below loss_reward so that giving up is never better than playing on
   win_reward: float = 1.0
   draw_reward: float = 0.0
   loss_reward: float = -1.0
@@ -173,7 +175,7 @@ class GameEnvConfig:
       raise ConfigError("max_retries", self.max_retries, "a non-negative int")
     if not isinstance(self.action_tag, str) or not re.fullmatch(r"[a-z_]{1,16}", self.action_tag):
       raise ConfigError("action_tag", self.action_tag, "1-16 lower-case letters or '_'")
-    for key in ("invalid_penalty", "win_reward", "draw_reward", "loss_reward"):
+    for key in ("invalid_penalty", "forfeit_reward", "win_reward", "draw_reward", "loss_reward"):
       if not _finite(getattr(self, key)):
         raise ConfigError(key, getattr(self, key), "a finite float")
     for key, kind in (
@@ -285,7 +287,9 @@ class GameEnv:
     if cfg.on_invalid is base.OnInvalid.END or self._retries > cfg.max_retries:
       return self._finish(base.Outcome.INVALID, action)
     moves = " ".join(str(a) for a in legal)
-    if cfg.observation is not ObservationMode.VERBOSE:
+    if cfg.observation is ObservationMode.MOVES:
+      obs = "invalid"  # the shortest context; the history says which columns are full
+    elif cfg.observation is ObservationMode.COMPACT:
       obs = f"invalid; legal: {moves}"
     else:
       what = "could not be read" if action is None else f"{action} is not legal"
@@ -299,7 +303,7 @@ class GameEnv:
       base.Outcome.WIN: cfg.win_reward,
       base.Outcome.LOSS: cfg.loss_reward,
       base.Outcome.DRAW: cfg.draw_reward,
-      base.Outcome.INVALID: cfg.invalid_penalty,
+      base.Outcome.INVALID: cfg.forfeit_reward,
     }[outcome]
     self._guard.finish()
     verdict = outcome.value

@@ -299,8 +299,15 @@ class Trainer:
   def checkpoint_state(self) -> dict[str, Any]:
     return {"train": self.state, "reference": self.ref_params}
 
-  def restore(self, ckpt: checkpoint_lib.Checkpointer) -> None:
+  def restore(self, ckpt: checkpoint_lib.Checkpointer, resume: str = "auto") -> None:
+    """``resume``: "auto" (the latest checkpoint if any), "required" (error if none), "never"."""
+    if resume not in ("auto", "required", "never"):
+      raise ValueError(f"resume={resume!r}; allowed: 'auto', 'required', 'never'")
+    if resume == "never":
+      return
     if ckpt.latest_step() is None:
+      if resume == "required":
+        raise FileNotFoundError(f"no checkpoint to resume from in {ckpt.directory}")
       return
     abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.checkpoint_state()
@@ -310,7 +317,7 @@ class Trainer:
     self.start_step = int(meta["step"]) + 1
     logging.info("resumed from step %d (%s)", meta["step"], ckpt.directory)
 
-  def run(self) -> list[dict[str, Any]]:
+  def run(self, resume: str = "auto") -> list[dict[str, Any]]:
     """Trains to ``cfg.train.num_steps``; returns the metrics rows written by this call."""
     cfg = self.cfg
     ckpt = self.checkpointer = checkpoint_lib.Checkpointer(
@@ -318,7 +325,7 @@ class Trainer:
       save_every=cfg.train.checkpoint_every,
       keep=cfg.train.keep_checkpoints,
     )
-    self.restore(ckpt)
+    self.restore(ckpt, resume)
     uninstall = checkpoint_lib.install_preemption_handler()
     writer = metrics_lib.MetricsWriter(
       self.workdir, config=config_lib.to_dict(cfg), resume_step=self.start_step - 1

@@ -69,18 +69,19 @@ def test_connect_four_full_column_is_illegal():
 
 
 def test_invalid_ends_the_episode_when_configured():
-  env = _env(on_invalid="end", invalid_penalty=-2.0)
+  env = _env(on_invalid="end", invalid_penalty=-0.5, forfeit_reward=-2.0)
   env.reset(0)
   result = env.step("<move>7</move>")
+  # The answer that ends the episode costs the forfeit reward, not the retry penalty.
   assert (result.done, result.reward, result.info["outcome"]) == (True, -2.0, "invalid")
 
 
 def test_retries_are_bounded():
-  env = _env(max_retries=2)
+  env = _env(max_retries=2, forfeit_reward=-3.0)
   env.reset(0)
   results = [env.step("nonsense") for _ in range(3)]
   assert [r.done for r in results] == [False, False, True]
-  assert [r.reward for r in results] == [-0.5, -0.5, -0.5]
+  assert [r.reward for r in results] == [-0.5, -0.5, -3.0]
   assert results[-1].info["outcome"] == Outcome.INVALID.value
   with pytest.raises(RuntimeError, match="reset"):
     env.step("<move>3</move>")

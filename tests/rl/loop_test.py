@@ -1,0 +1,91 @@
+"""End-to-end: the training loop on 8 CPU devices, checkpoints and exact resume."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from earl_jax import config_lib
+from earl_jax.rl import loop
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+# Wall-clock and compile counters legitimately differ between runs; everything else must not.
+_UNSTABLE = ("time/", "tokens_per_second", "rollout/episodes_per_second", "compilations", "seconds")
+
+
+def tiny_config(**train) -> config_lib.ExperimentConfig:
+  sys.path.insert(0, str(REPO))
+  try:
+    from configs import connect_four_tiny
+  finally:
+    sys.path.remove(str(REPO))
+  c = connect_four_tiny.get_config()
+  c.model.embed_dim, c.model.mlp_dim, c.model.num_layers = 32, 64, 1
+  c.rollout.num_slots, c.rl.num_groups, c.rl.group_size = 8, 4, 2
+  c.rollout.max_turns = 4
+  c.train.num_steps, c.train.eval_every, c.train.eval_episodes = 2, 1, 8
+  c.parallel.update.fsdp, c.parallel.update.tensor = 2, 2  # update on (data=2, fsdp=2, tensor=2)
+  for key, value in train.items():
+    c.train[key] = value
+  return config_lib.from_config_dict(c)
+
+
+def _stable(rows):
+  return [{k: v for k, v in r.items() if not any(u in k for u in _UNSTABLE)} for r in rows]
+
+
+@pytest.mark.slow
+def test_two_steps_end_to_end(tmp_path):
+  cfg = tiny_config()
+  trainer = loop.Trainer(cfg, tmp_path)
+  assert trainer.plans.describe()
+  rows = trainer.run()
+  assert [r["step"] for r in rows] == [0, 1]
+  for r in rows:
+    assert r["dispatch/bytes_through_host"] == 0 and r["sync/bytes_through_host"] == 0
+    assert 0.0 <= r["eval/random/win_rate"] <= 1.0
+    assert r["update/skipped_updates"] == 0 and r["context_len/mean"] > 0
+  assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoints").is_dir()
+  # A second run in the same workdir finds the final checkpoint and has nothing left to do.
+  assert loop.Trainer(cfg, tmp_path).run() == []
+
+
+def _train_subprocess(workdir: pathlib.Path, num_steps: int, checkpoint_every: int):
+  code = (
+    f"import sys; sys.path.insert(0, {str(REPO)!r});"
+    "from tests.rl.loop_test import tiny_config; from earl_jax.rl import loop;"
+    f"cfg = tiny_config(num_steps={num_steps}, checkpoint_every={checkpoint_every}, eval_every=0);"
+    f"loop.Trainer(cfg, {str(workdir)!r}).run()"
+  )
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_gives_the_same_metrics(tmp_path):
+  full, killed = tmp_path / "full", tmp_path / "killed"
+  assert _train_subprocess(full, 4, 2).wait(timeout=600) == 0
+  proc = _train_subprocess(killed, 4, 2)
+  deadline = time.time() + 600
+  # Kill as soon as the step-2 checkpoint is complete (orbax renames its tmp dir when done).
+  while not (killed / "checkpoints" / "2").is_dir() and time.time() < deadline:
+    assert proc.poll() is None, "the run ended before it could be killed"
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=60)
+  assert _train_subprocess(killed, 4, 2).wait(timeout=600) == 0
+  read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+  full_rows, resumed_rows = read(full), read(killed)
+  assert [r["step"] for r in resumed_rows] == [0, 1, 2, 3]
+  assert _stable(resumed_rows) == _stable(full_rows)
+
+
+def test_required_checkpoint_missing_is_a_clear_error(tmp_path):
+  trainer = loop.Trainer(tiny_config(), tmp_path)
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    trainer.run(resume="required")
