@@ -226,19 +226,27 @@ class Selector:
   # -- choice -------------------------------------------------------------------------------
 
   def ranked(
-    self, stage: Stage, *, load: int, bucket: int
+    self, stage: Stage, *, load: int, bucket: int, will_compile: bool = False
   ) -> tuple[list[Candidate], list[tuple[str, str]]]:
-    """Feasible candidates best first (measured before predicted), and the rejected ones."""
+    """Feasible candidates best first (measured before predicted), and the rejected ones.
+
+    A compiled peak, once known, overrides the prediction. With ``will_compile`` (the caller
+    checks memory_analysis before first use) a plan is only dropped unseen when even the model's
+    largest over-prediction (``MEMORY_TOLERANCE``) cannot bring it under the budget.
+    """
     plans, rejected = self.candidates(stage, load)
+    slack = mm.MEMORY_TOLERANCE[1] if will_compile else 1.0
     feasible = []
     for plan in plans:
       nbytes, predicted = self.predict(stage, load, bucket, plan)
       why = self._infeasible_reason(stage, bucket, load, plan)
       compiled = self._compiled.get((stage, bucket, load, plan))
-      if not why and nbytes > self.budget:
-        why = f"predicted {nbytes} B > budget {self.budget} B"
       if not why and compiled is not None and compiled > self.budget:
         why = f"compiled peak {compiled} B > budget {self.budget} B"
+      if not why and compiled is None and nbytes > self.budget * slack:
+        why = f"predicted {nbytes} B > budget {self.budget} B" + (
+          " x slack" if will_compile else ""
+        )
       if why:
         rejected.append((plan.describe(), why))
         continue
@@ -267,7 +275,8 @@ class Selector:
     peak exceeds the budget is marked infeasible and the next one is tried.
     """
     while True:
-      feasible, rejected = self.ranked(stage, load=load, bucket=bucket)
+      will_compile = compiled_memory is not None
+      feasible, rejected = self.ranked(stage, load=load, bucket=bucket, will_compile=will_compile)
       if not feasible:
         lines = "\n  ".join(f"{p}: {why}" for p, why in rejected)
         raise NoFeasiblePlanError(
@@ -312,7 +321,10 @@ class Selector:
       self._infeasible[key] = (load, reason or "marked infeasible (ran out of memory)")
     if self._current.get(stage) == plan:
       del self._current[stage]
-    log.warning("selector: %s marked infeasible for bucket %d, load >= %d", plan, bucket, load)
+    log.warning(
+      "selector: %s marked infeasible for bucket %d, load >= %d: %s",
+      plan.describe(), bucket, load, self._infeasible[key][1],
+    )  # fmt: skip
 
   # -- profiling and recovery ---------------------------------------------------------------
 

@@ -203,3 +203,15 @@ def test_cli_json_and_text(capsys, tmp_path):
   assert sel.parse_bytes("80GiB") == 80 * GIB and sel.parse_bytes("1.5GB") == 1_500_000_000
   with pytest.raises(ConfigError, match="device-memory"):
     sel.parse_bytes("80 parsecs")
+
+
+def test_compiled_peak_overrides_a_pessimistic_prediction():
+  roomy = sel.Selector(TINY, fake(8), memory_budget_bytes=GIB)
+  plans, _ = roomy.candidates(Stage.REFERENCE, load=8)
+  smallest = min(roomy.predict(Stage.REFERENCE, 8, 1024, p)[0] for p in plans)
+  tight = sel.Selector(TINY, fake(8), memory_budget_bytes=int(smallest * 0.9))
+  with pytest.raises(sel.NoFeasiblePlanError):  # no compile check: the prediction decides
+    tight.choose(Stage.REFERENCE, load=8, bucket=1024)
+  small = type("M", (), {"peak": int(smallest * 0.5)})()
+  d = tight.choose(Stage.REFERENCE, load=8, bucket=1024, compiled_memory=lambda p: small)
+  assert d.predicted_bytes > tight.budget >= d.compiled_bytes
