@@ -238,9 +238,13 @@ class ParallelConfig:
   selector: bool = False  # True: the selector picks each stage's layout per length bucket
   memory_budget_gib: float = 0.0  # per-device budget; 0 = from device.memory_stats()
   profile: bool = False  # selector: time the feasible layouts per bucket (else cost model)
-  rollout: StageLayout = dataclasses.field(default_factory=StageLayout)
-  reference: StageLayout = dataclasses.field(default_factory=StageLayout)
-  update: StageLayout = dataclasses.field(default_factory=StageLayout)
+  rollout_layout: StageLayout = dataclasses.field(default_factory=StageLayout)
+  reference_layout: StageLayout = dataclasses.field(default_factory=StageLayout)
+  update_layout: StageLayout = dataclasses.field(default_factory=StageLayout)
+
+  def layout(self, stage_name: str) -> StageLayout:
+    """The fixed layout of stage ``rollout`` | ``reference`` | ``update``."""
+    return getattr(self, f"{stage_name}_layout")
 
   def __post_init__(self):
     _require(self.num_devices >= 0, "num_devices", self.num_devices, "an int >= 0 (0 = all)")

@@ -46,7 +46,7 @@ def make_plans(cfg: config_lib.ExperimentConfig, devices: Sequence[jax.Device]) 
   ids = [d.id for d in devices]
   plans = {}
   for stage in Stage:
-    lay = getattr(cfg.parallel, stage.value)
+    lay = cfg.parallel.layout(stage.value)
     plan = make_stage_plan(
       stage,
       ids,
