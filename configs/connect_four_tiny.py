@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.num_heads = 4
   c.model.num_kv_heads = 2
   c.model.head_dim = 16
-  c.model.max_seq_len = 512
+  c.model.max_seq_len = 256
   c.tokenizer.kind = "char"
 
   c.env.game.observation = "moves"
@@ -39,15 +39,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampler.temperature = 1.0
   c.rollout.num_slots = 32
   c.rollout.max_turns = 24  # a Connect Four game has at most 21 moves per side
-  c.rollout.max_new_tokens = 3
-  c.rollout.max_context = 512
+  c.rollout.max_new_tokens = 2  # a column digit and <end>
+  c.rollout.max_context = 256
   c.rollout.chunk_multiple = 8
   c.rollout.seq_multiple = 64
 
   c.rl.num_groups = 8
   c.rl.group_size = 4
   c.rl.logp_chunk = 64
-  c.optim.learning_rate = 2e-3
+  c.optim.learning_rate = 1e-3
   c.optim.warmup_steps = 5
   c.optim.decay_steps = 200
   c.optim.end_lr_ratio = 0.2

@@ -35,7 +35,7 @@ if __name__ == "__main__":
     + f" --xla_force_host_platform_device_count={_cpu_devices(sys.argv)}"
   )
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from earl_jax import config_lib  # noqa: E402
@@ -94,6 +94,8 @@ def main(argv: list[str]) -> None:
     # A bad config fails here, before any device is touched.
     raise app.UsageError(str(e)) from None
   import jax  # after the flags: XLA_FLAGS above must be in place first
+
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
   from earl_jax.rl import loop
 

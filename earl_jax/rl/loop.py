@@ -41,8 +41,13 @@ _ENV_SEED_STRIDE = 1_000_003  # env seeds of different config seeds never collid
 _EVAL_SEED_BASE = 10**9  # evaluation episodes use a fixed, disjoint seed range
 
 
-def make_plans(cfg: config_lib.ExperimentConfig, devices: Sequence[jax.Device]) -> ParallelPlan:
+def make_plans(
+  cfg: config_lib.ExperimentConfig,
+  devices: Sequence[jax.Device],
+  model_cfg: config_lib.ModelConfig | None = None,
+) -> ParallelPlan:
   """The fixed per-stage layouts of ``cfg.parallel`` over ``devices``, validated for the model."""
+  model_cfg = model_cfg or cfg.model
   ids = [d.id for d in devices]
   plans = {}
   for stage in Stage:
@@ -57,7 +62,7 @@ def make_plans(cfg: config_lib.ExperimentConfig, devices: Sequence[jax.Device]) 
       remat=lay.remat,
     )
     batch = cfg.rollout.num_slots if stage is Stage.ROLLOUT else cfg.rl.batch_size
-    validate_for_model(plan, cfg.model, batch)
+    validate_for_model(plan, model_cfg, batch)
     plans[stage] = plan
   return ParallelPlan.of(plans)
 
@@ -169,11 +174,21 @@ class Trainer:
       raise config_lib.ConfigError("parallel.num_devices", n, f"<= {jax.device_count()} devices")
     self.devices = jax.devices()[:n]
     self.tokenizer = model_lib.make_tokenizer(cfg.tokenizer)
-    if self.tokenizer.vocab_size > cfg.model.vocab_size:
-      raise config_lib.ConfigError(
-        "model.vocab_size", cfg.model.vocab_size, f">= the tokenizer's {self.tokenizer.vocab_size}"
+    self.model_cfg, self._pretrained = cfg.model, None
+    if cfg.pretrained_path:  # the checkpoint's config.json decides the architecture
+      # Read on the host, then laid out on the update plan (direct sharded loading: follow-up).
+      self.model_cfg, self._pretrained = model_lib.from_pretrained(
+        cfg.pretrained_path,
+        dtype=cfg.model.param_dtype.value,
+        vocab_multiple=cfg.model.vocab_multiple,
       )
-    self.plans = make_plans(cfg, self.devices)
+    if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+      raise config_lib.ConfigError(
+        "model.vocab_size",
+        self.model_cfg.vocab_size,
+        f">= the tokenizer's {self.tokenizer.vocab_size}",
+      )
+    self.plans = make_plans(cfg, self.devices, self.model_cfg)
     self.fmt = _turn_format(self.tokenizer)
     self.optimizer = update.make_optimizer(cfg.optim)
     self._init_state()
@@ -189,9 +204,13 @@ class Trainer:
 
   def _init_state(self) -> None:
     cfg, plan = self.cfg, self.plans[Stage.UPDATE]
-    model = mesh_lib.create_sharded(
-      lambda: model_lib.Decoder(cfg.model, rngs=nnx.Rngs(cfg.seed)), plan
-    )
+    if self._pretrained is not None:
+      graphdef, params = nnx.split(self._pretrained)
+      model = nnx.merge(graphdef, jax.device_put(params, mesh_lib.state_shardings(params, plan)))
+      self._pretrained = None
+    else:
+      init = lambda: model_lib.Decoder(self.model_cfg, rngs=nnx.Rngs(cfg.seed))  # noqa: E731
+      model = mesh_lib.create_sharded(init, plan)
     self.graphdef, params = nnx.split(model)
     self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     rng = jax.random.key(cfg.seed)
@@ -207,11 +226,11 @@ class Trainer:
   def _new_cache(self) -> model_lib.KVCache:
     plan, cfg = self.plans[Stage.ROLLOUT], self.cfg
     abstract = jax.eval_shape(
-      lambda: model_lib.init_cache(cfg.model, cfg.rollout.num_slots, cfg.rollout.cache_len())
+      lambda: model_lib.init_cache(self.model_cfg, cfg.rollout.num_slots, cfg.rollout.cache_len())
     )
     shardings = executables.cache_shardings(plan, abstract)
     return jax.jit(
-      lambda: model_lib.init_cache(cfg.model, cfg.rollout.num_slots, cfg.rollout.cache_len()),
+      lambda: model_lib.init_cache(self.model_cfg, cfg.rollout.num_slots, cfg.rollout.cache_len()),
       out_shardings=shardings,
     )()
 

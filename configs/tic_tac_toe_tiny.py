@@ -1,0 +1,17 @@
+"""Tic-Tac-Toe with a tiny from-scratch character-level policy (the paper's motivating game), CPU.
+
+Launch: python launch/train.py --config=configs/tic_tac_toe_tiny.py
+"""
+
+import ml_collections
+
+from configs import connect_four_tiny
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = connect_four_tiny.get_config()
+  c.env.name = "tic_tac_toe"
+  c.rollout.max_turns = 8  # at most 5 moves per side, plus retries
+  c.rollout.max_context = 256
+  c.model.max_seq_len = 256
+  return c
