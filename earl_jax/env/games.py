@@ -287,9 +287,7 @@ class GameEnv:
     if cfg.on_invalid is base.OnInvalid.END or self._retries > cfg.max_retries:
       return self._finish(base.Outcome.INVALID, action)
     moves = " ".join(str(a) for a in legal)
-    if cfg.observation is ObservationMode.MOVES:
-      obs = "invalid"  # the shortest context; the history says which columns are full
-    elif cfg.observation is ObservationMode.COMPACT:
+    if cfg.observation is not ObservationMode.VERBOSE:
       obs = f"invalid; legal: {moves}"
     else:
       what = "could not be read" if action is None else f"{action} is not legal"
