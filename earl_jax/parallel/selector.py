@@ -340,31 +340,32 @@ class Selector:
   ) -> dict[str, float]:
     """Times ``run_fn(plan)`` (one stage call on real data) for each plan; saves the table.
 
-    The first call per plan is a warm-up (compilation); throughput = tokens of the call / median
-    of ``repeats`` timed calls. A plan that runs out of memory is marked infeasible.
+    The first call per plan is a warm-up (compilation); then the plans take turns for
+    ``repeats`` rounds, so a burst of load from other processes hits all of them alike.
+    Throughput = tokens of the call / median time. A plan that runs out of memory is marked
+    infeasible.
     """
     if candidates is None:
       candidates = [c.plan for c in self.ranked(stage, load=load, bucket=bucket)[0]]
     tokens = load * (self.shape["new_tokens"] if stage == Stage.ROLLOUT else bucket)
-    out = {}
-    for plan in candidates:
-      try:
-        run_fn(plan)
-        times = []
-        for _ in range(repeats):
+    times: dict[StagePlan, list[float]] = {}
+    for round_ in range(repeats + 1):  # round 0 is the warm-up
+      for plan in candidates if round_ == 0 else list(times):
+        try:
           start = time.perf_counter()
           run_fn(plan)
-          times.append(time.perf_counter() - start)
-      except Exception as e:
-        if not is_resource_exhausted(e):
-          raise
-        self.mark_infeasible(stage, bucket, plan, load=load, reason=f"OOM while profiling: {e}")
-        continue
-      row = {
-        "throughput": tokens / statistics.median(times),
-        "min": tokens / max(times),
-        "max": tokens / min(times),
-      }
+          elapsed = time.perf_counter() - start
+        except Exception as e:
+          if not is_resource_exhausted(e):
+            raise
+          self.mark_infeasible(stage, bucket, plan, load=load, reason=f"OOM profiling: {e}")
+          times.pop(plan, None)
+          continue
+        times.setdefault(plan, []).extend([elapsed] if round_ else [])
+    out = {}
+    for plan, ts in times.items():
+      row = {"throughput": tokens / statistics.median(ts), "min": tokens / max(ts)}
+      row["max"] = tokens / min(ts)
       self.table[self._key(stage, bucket, load, plan)] = row
       out[plan.describe()] = row["throughput"]
     self.save_profile()
