@@ -52,8 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.decay_steps = 200
   c.optim.end_lr_ratio = 0.2
 
-  c.train.num_steps = 200
-  c.train.eval_every = 20
+  c.train.num_steps = 400
+  c.train.eval_every = 50
   c.train.eval_episodes = 64
   c.train.checkpoint_every = 50
   return c
