@@ -42,9 +42,14 @@ class PlainFormat:
     return [*close, self._usr, *self.tokenizer.encode(observation), self._end, self._asst]
 
   def action_text(self, ids: Sequence[int]) -> str:
-    return self.tokenizer.decode(
-      [i for i in ids if i not in self.stop_ids], skip_special_tokens=True
-    )
+    return _action_text(self.tokenizer, ids, self.stop_ids)
+
+
+def _action_text(tokenizer: Tokenizer, ids: Sequence[int], stop_ids: Sequence[int]) -> str:
+  """The text the environment sees. Ids past the tokenizer's vocabulary (a checkpoint's embedding
+  table is often larger, e.g. Qwen2.5's 151936 rows for 151665 tokens) carry no text."""
+  keep = [i for i in ids if i not in stop_ids and 0 <= i < tokenizer.vocab_size]
+  return tokenizer.decode(keep, skip_special_tokens=True)
 
 
 _PLACEHOLDER = "\x00EARL_ASSISTANT_TURN\x00"
@@ -88,6 +93,4 @@ class ChatTemplateFormat:
     return self.tokenizer.encode(head + observation + self._after_obs)
 
   def action_text(self, ids: Sequence[int]) -> str:
-    return self.tokenizer.decode(
-      [i for i in ids if i not in self.stop_ids], skip_special_tokens=True
-    )
+    return _action_text(self.tokenizer, ids, self.stop_ids)
