@@ -32,6 +32,7 @@ from earl_jax import metrics as metrics_lib
 from earl_jax import model as model_lib
 from earl_jax.parallel import dispatcher, executables
 from earl_jax.parallel import mesh as mesh_lib
+from earl_jax.parallel import selector as selector_lib
 from earl_jax.parallel.plan import ParallelPlan, StagePlan, make_stage_plan, validate_for_model
 from earl_jax.rl import advantage, batches, loop_stats, objective, rollout, turn_format, update
 from earl_jax.sampler import engine
@@ -82,6 +83,7 @@ class _Programs:
   graphdef: nnx.GraphDef
   abstract_params: nnx.State
   optimizer: Any
+  abstract_train_state: Any = None
   cache: executables.ExecutableCache = dataclasses.field(
     default_factory=executables.ExecutableCache
   )
@@ -111,8 +113,8 @@ class _Programs:
 
     return generate
 
-  def score(self, params: nnx.State, batch: batches.RolloutBatch) -> jax.Array:
-    plan = self.plans[Stage.REFERENCE]
+  def score(self, params: nnx.State, batch: batches.RolloutBatch, plan=None) -> jax.Array:
+    plan = plan or self.plans[Stage.REFERENCE]
     bucket = batch.tokens_BxT.shape
     program = self.cache.get(
       Stage.REFERENCE,
@@ -127,10 +129,12 @@ class _Programs:
         temperature=self.cfg.sampler.temperature,
       ),
     )
+    if params is None:  # memory check only
+      return program
     return program(params, batch.tokens_BxT, batch.positions_BxT, batch.valid_BxT)
 
-  def update(self, state: update.TrainState, batch: batches.AdvantageBatch):
-    plan = self.plans[Stage.UPDATE]
+  def update(self, state: update.TrainState, batch: batches.AdvantageBatch, plan=None):
+    plan = plan or self.plans[Stage.UPDATE]
     bucket = batch.tokens_BxT.shape
     micro = plan.micro_batch_size or bucket[0]
     plan_for_batch = dataclasses.replace(plan, micro_batch_size=micro)
@@ -141,7 +145,7 @@ class _Programs:
       remat=plan.remat,
     )
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    abstract_state = self.abstract_train_state
     program = self.cache.get(
       Stage.UPDATE,
       plan,
@@ -155,7 +159,15 @@ class _Programs:
         optimizer=self.optimizer,
       ),
     )
+    if state is None:  # memory check only
+      return program
     return program(state, batch)
+
+
+def _advantage_shapes(batch: batches.RolloutBatch) -> batches.AdvantageBatch:
+  zeros = jnp.zeros(batch.tokens_BxT.shape, jnp.float32)
+  scored = batches.ScoredBatch.from_rollout(batch, ref_logps_BxT=zeros, old_logps_BxT=zeros)
+  return batches.AdvantageBatch.from_scored(scored, advantages_BxT=zeros, returns_BxT=zeros)
 
 
 def _batch_shardings(plan: StagePlan, batch: Any) -> Any:
@@ -192,7 +204,27 @@ class Trainer:
     self.fmt = _turn_format(self.tokenizer)
     self.optimizer = update.make_optimizer(cfg.optim)
     self._init_state()
-    self.programs = _Programs(cfg, self.plans, self.graphdef, self.abstract_params, self.optimizer)
+    self.programs = _Programs(
+      cfg,
+      self.plans,
+      self.graphdef,
+      self.abstract_params,
+      self.optimizer,
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state),
+    )
+    self.selector = None
+    if cfg.parallel.selector:
+      budget = int(cfg.parallel.memory_budget_gib * 2**30) or None  # None: device.memory_stats()
+      self.selector = selector_lib.Selector(
+        self.model_cfg,
+        self.devices,
+        memory_budget_bytes=budget,
+        profile_path=str(self.workdir / "selector_profile.json"),
+        prompt_chunk=cfg.rollout.chunk_multiple,
+        new_tokens=cfg.rollout.max_new_tokens,
+        logits_chunk=cfg.rl.logp_chunk,
+      )
+    self._context_bucket = cfg.rollout.seq_multiple
     self.envs = [cfg.env.make() for _ in range(cfg.rollout.num_slots)]
     self.kv_cache = self._new_cache()
     self.use_reference = cfg.rl.loss.kl_beta > 0 or cfg.rl.advantage.kl_beta > 0
@@ -269,12 +301,22 @@ class Trainer:
     """One RL step; returns host scalars (the update's metrics are fetched last)."""
     cfg = self.cfg
     rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
+    if self.selector is not None:
+      with timer("select"):
+        # EARL: the rollout layout is chosen before rollout from the current context range.
+        self._select(Stage.ROLLOUT, cfg.rollout.num_slots, self._context_bucket, step)
     with timer("sync"):
       rollout_params, sync_stats = dispatcher.sync_weights(
         self.state.params, self.plans[Stage.ROLLOUT]
       )
     with timer("rollout"):
       result = self.play(rollout_params, self.episodes(step), self.envs, rng)
+    bucket = result.batch.tokens_BxT.shape[1]
+    self._context_bucket = bucket
+    if self.selector is not None:
+      with timer("select"):
+        self._select(Stage.REFERENCE, cfg.rl.batch_size, bucket, step, result.batch)
+        self._select(Stage.UPDATE, cfg.rl.batch_size, bucket, step, result.batch)
     ref_plan = self.plans[Stage.REFERENCE]
     with timer("reference"):
       rb = jax.device_put(result.batch, _batch_shardings(ref_plan, result.batch))
@@ -300,6 +342,52 @@ class Trainer:
     out.update(loop_stats.dispatch_scalars(sync_stats, "sync"))
     out["lr"] = float(update.learning_rate_schedule(cfg.optim)(step))
     return out
+
+  def _select(self, stage: Stage, load: int, bucket: int, step: int, batch=None) -> None:
+    """Asks the selector for ``stage``'s plan; moves the stage's state when the plan changes."""
+
+    def compiled_memory(plan: StagePlan) -> executables.MemoryStats:
+      return self._program_for(stage, plan, batch).memory
+
+    decision = self.selector.choose(
+      stage,
+      load=load,
+      bucket=selector_lib.bucket_for(bucket, self.cfg.rollout.seq_multiple),
+      compiled_memory=compiled_memory,
+      step=step,
+    )
+    if decision.plan != self.plans[stage]:
+      self._relayout(stage, decision.plan)
+
+  def _program_for(self, stage: Stage, plan: StagePlan, batch) -> Any:
+    if stage is Stage.ROLLOUT:
+      b, p, spec = self.cfg.rollout.num_slots, self.cfg.rollout.chunk_multiple, self.spec()
+      cache_len = self.cfg.rollout.cache_len()
+      return self.programs.cache.get(
+        stage,
+        plan,
+        (b, p),
+        lambda: executables.lower_generate(
+          plan, self.graphdef, self.abstract_params, cache_len, spec, (b, p)
+        ),
+        extra=spec,
+      )
+    if stage is Stage.REFERENCE:
+      return self.programs.score(None, batch, plan)
+    return self.programs.update(None, jax.eval_shape(lambda: _advantage_shapes(batch)), plan)
+
+  def _relayout(self, stage: Stage, plan: StagePlan) -> None:
+    """Adopts ``plan`` for ``stage``: its state moves there on device (no host round trip)."""
+    self.plans = ParallelPlan.of({**dict(self.plans), stage: plan})
+    self.programs.plans = self.plans
+    if stage is Stage.ROLLOUT:
+      self.kv_cache = self._new_cache()  # every slot is reset at its first episode anyway
+    elif stage is Stage.REFERENCE:
+      self.ref_params, _ = dispatcher.sync_weights(self.ref_params, plan)
+    else:
+      shardings = executables.train_state_shardings(plan, self.state, self.optimizer)
+      self.state, _ = dispatcher.dispatch(self.state, shardings)
+      self.state_shardings = shardings
 
   def evaluate(self, step: int) -> dict[str, float]:
     cfg, out = self.cfg, {}
@@ -350,6 +438,8 @@ class Trainer:
       self.workdir, config=config_lib.to_dict(cfg), resume_step=self.start_step - 1
     )
     writer.write_event(self.start_step, "plan", {"plan": self.plans.describe()})
+    if self.selector is not None:
+      self.selector.metrics = writer  # every decision goes to events.jsonl
     progress = metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step)
     rows, timer = [], metrics_lib.StageTimer()
     try:

@@ -1,5 +1,6 @@
 """End-to-end: the training loop on 8 CPU devices, checkpoints and exact resume."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from earl_jax import config_lib
+from earl_jax import metrics as metrics_lib
 from earl_jax.rl import loop
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -93,3 +95,26 @@ def test_required_checkpoint_missing_is_a_clear_error(tmp_path):
   trainer = loop.Trainer(tiny_config(), tmp_path)
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     trainer.run(resume="required")
+
+
+@pytest.mark.slow
+def test_selector_decisions_are_logged_and_respect_the_memory_budget(tmp_path):
+  c = tiny_config()
+  budget_gib = 0.004  # a simulated per-device limit below the default update plan's peak
+  cfg = dataclasses.replace(
+    c,
+    parallel=dataclasses.replace(c.parallel, selector=True, memory_budget_gib=budget_gib),
+    train=dataclasses.replace(c.train, eval_every=0),
+  )
+  rows = loop.Trainer(cfg, tmp_path).run()
+  assert [r["step"] for r in rows] == [0, 1]
+  events = metrics_lib.read_events(tmp_path, kind="selector_decision")
+  assert sorted({(e["step"], e["stage"]) for e in events}) == [
+    (s, stage) for s in (0, 1) for stage in ("reference", "rollout", "update")
+  ]
+  for e in events:
+    assert e["compiled_bytes"] is None or e["compiled_bytes"] <= budget_gib * 2**30, e
+  update = [e for e in events if e["stage"] == "update"]
+  # The budget constrained the choice: some plan was rejected for memory, a fitting one ran.
+  assert any("B > budget" in why for e in update for _, why in e["rejected"]), update[0]
+  assert all(r["dispatch/bytes_through_host"] == 0 for r in rows)
