@@ -30,9 +30,10 @@ right) in Connect Four and the cell (0-8, row by row; empty cells show their id)
 The tag name and the parser are configurable (``action_tag``, ``parse_mode``, see ``parsing``).
 An invalid answer (unparseable or illegal) costs ``invalid_penalty`` and either ends the episode
 (outcome ``invalid``, reward ``forfeit_reward``) or gets the short observation
-``invalid; legal: 0 1 2 4 5 6`` and another try, at most ``max_retries`` in a row. Terminal observations are the final board and a line
-``win``/``loss``/``draw``/``invalid`` (verbose: ``Result: ...``). Rewards: ``win_reward``,
-``draw_reward``, ``loss_reward`` on the final step, ``invalid_penalty`` per invalid answer.
+``invalid; legal: 0 1 2 4 5 6`` and another try, at most ``max_retries`` in a row. Terminal
+observations are the final board and a line ``win``/``loss``/``draw``/``invalid`` (verbose:
+``Result: ...``). Rewards: ``win_reward``, ``draw_reward``, ``loss_reward`` on the final step,
+``invalid_penalty`` per invalid answer that is asked again.
 
 Another OpenSpiel two-player sequential game with a text rendering is added with one
 ``register_game`` call (see the two below).
