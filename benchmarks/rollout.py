@@ -1,0 +1,87 @@
+"""Multi-turn rollout throughput and context growth of a config, on the simulated CPU devices.
+
+  PYTHONPATH=. python benchmarks/rollout.py --config=configs/connect_four_tiny.py \
+      [--workdir=runs/connect_four_tiny]   # a trained policy from that workdir's checkpoint
+
+Prints episodes/s, generated tokens/s and the context-length distribution of the episodes by the
+number of model turns they lasted (a trained policy plays longer, legal games). Timing is the
+best of --repeats rollouts of the same episodes after a warm-up (compilation) rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import numpy as np
+
+from earl_jax import checkpoint as checkpoint_lib
+from earl_jax import config_lib
+from earl_jax.parallel import dispatcher
+from earl_jax.rl import loop, rollout
+from earl_jax.types import Stage
+
+
+def _config(path: str) -> config_lib.ExperimentConfig:
+  sys.path.insert(0, os.getcwd())
+  spec = importlib.util.spec_from_file_location("bench_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return config_lib.from_config_dict(module.get_config())
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/connect_four_tiny.py")
+  parser.add_argument("--workdir", default="", help="restore the policy from this run")
+  parser.add_argument("--episodes", type=int, default=128)
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+  cfg = _config(args.config)
+  trainer = loop.Trainer(cfg, args.workdir or "/tmp/earl_rollout_bench")
+  if args.workdir:
+    ckpt = checkpoint_lib.Checkpointer(
+      os.path.join(args.workdir, "checkpoints"), save_every=1, keep=1
+    )
+    trainer.restore(ckpt, resume="required")
+  params, _ = dispatcher.sync_weights(trainer.state.params, trainer.plans[Stage.ROLLOUT])
+  episodes = [rollout.EpisodeSpec(seed=10**8 + i, group_id=0) for i in range(args.episodes)]
+  results = []
+  for r in range(args.repeats + 1):  # the first one compiles
+    results.append(trainer.play(params, episodes, trainer.envs, jax.random.key(r)))
+  timed = results[1:]
+  best = min(timed, key=lambda x: x.seconds)
+  print(
+    f"config {args.config}; policy: {args.workdir or 'untrained'}; {jax.device_count()} devices"
+  )
+  print(f"plan: {trainer.plans[Stage.ROLLOUT].describe()}")
+  n = len(timed)
+  print(f"| episodes | seconds (best of {n}) | episodes/s | generated tokens/s | generate calls |")
+  print("|---|---|---|---|---|")
+  print(
+    f"| {len(episodes)} | {best.seconds:.2f} | {len(episodes) / best.seconds:.1f} | "
+    f"{best.generated_tokens / best.seconds:.0f} | {best.turns} |"
+  )
+  by_turns = collections.defaultdict(list)
+  for e in best.episodes:
+    by_turns[e.turns].append(e.context_len)
+  print("\n| model turns | episodes | context mean | p50 | p90 | max |")
+  print("|---|---|---|---|---|---|")
+  for turns in sorted(by_turns):
+    c = np.asarray(by_turns[turns])
+    print(
+      f"| {turns} | {len(c)} | {c.mean():.0f} | {np.percentile(c, 50):.0f} | "
+      f"{np.percentile(c, 90):.0f} | {c.max()} |"
+    )
+  outcomes = collections.Counter(e.outcome for e in best.episodes)
+  print("\noutcomes:", dict(outcomes))
+
+
+if __name__ == "__main__":
+  main()
