@@ -247,10 +247,9 @@ def _selector_cell(
   return s.choose(stage, load=load, bucket=length, compiled_memory=peak)
 
 
-def part_b(bench: Bench, selector: sel.Selector) -> None:
+def part_b(bench: Bench, selector: sel.Selector, load: int) -> None:
   """A rollout whose context grows like a multi-turn run; every step really runs."""
   schedule = [256] * 3 + [2048] * 3 + [8192] * 3
-  load = 8
   print(f"\n(b) rollout, load {load}, context per step {schedule}")
   for plan in _fixed(Stage.ROLLOUT):
     if any(bench.peak(plan, load, n) > selector.budget for n in schedule):
@@ -373,7 +372,8 @@ def main() -> None:
       new_tokens=NEW,
       profile_path=s.profile_path,
     )
-    part_b(bench, again)
+    for load in SWEEP[Stage.ROLLOUT][1]:
+      part_b(bench, again, load)
   print(f"\n{bench.programs.compilations} programs compiled; {time.perf_counter() - start:.0f} s")
 
 
