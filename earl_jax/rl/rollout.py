@@ -227,7 +227,8 @@ def _chunk_arrays(slots, cfg: RolloutConfig, pad_id: int):
     mask[i, :n] = True
     positions[i, :n] = np.arange(len(ep.tokens), len(ep.tokens) + n)
     active[i] = True
-  return jnp.asarray(prompt), jnp.asarray(mask), jnp.asarray(positions), jnp.asarray(active)
+  # Host arrays: the generate callable puts them straight into its input shardings.
+  return prompt, mask, positions, active
 
 
 def _apply_turn(
