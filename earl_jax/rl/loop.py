@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from earl_jax import checkpoint as checkpoint_lib
 from earl_jax import config_lib
@@ -106,10 +107,9 @@ class _Programs:
         ),
         extra=spec,
       )
-      host = [jax.device_put(x, s) for x, s in zip((prompt, mask, positions), (row2,) * 3)]
-      return program(
-        params, kv_cache, *host, jax.device_put(active, row1), jax.device_put(rng, rep)
-      )
+      host = [_put(x, s) for x, s in zip((prompt, mask, positions, active), (row2,) * 3 + (row1,))]
+      out, kv_cache = program(params, kv_cache, *host, _put(rng, rep))
+      return _fetch(out), kv_cache
 
     return generate
 
@@ -168,6 +168,35 @@ def _advantage_shapes(batch: batches.RolloutBatch) -> batches.AdvantageBatch:
   zeros = jnp.zeros(batch.tokens_BxT.shape, jnp.float32)
   scored = batches.ScoredBatch.from_rollout(batch, ref_logps_BxT=zeros, old_logps_BxT=zeros)
   return batches.AdvantageBatch.from_scored(scored, advantages_BxT=zeros, returns_BxT=zeros)
+
+
+def _put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """Host (or process-local) data -> an array in ``sharding``, on one or several processes.
+
+  With several processes every process holds the same host value (the env loop is replicated)
+  and contributes only its own devices' blocks.
+  """
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    data = np.asarray(jax.random.key_data(x))
+    raw = jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
+    return jax.random.wrap_key_data(raw, impl=jax.random.key_impl(x))
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _put_tree(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(_put, tree, shardings)
+
+
+def _fetch(tree: Any) -> Any:
+  """Device arrays -> host numpy on every process (small rollout outputs the env loop needs)."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _batch_shardings(plan: StagePlan, batch: Any) -> Any:
@@ -248,7 +277,7 @@ class Trainer:
     rng = jax.random.key(cfg.seed)
     state = update.init_train_state(params, self.optimizer, rng)
     self.state_shardings = executables.train_state_shardings(plan, state, self.optimizer)
-    self.state = jax.device_put(state, self.state_shardings)
+    self.state = _put_tree(state, self.state_shardings)
     # The frozen reference must own its buffers: with equal layouts the sync is a no-op that
     # would alias the policy's parameters, which the update step donates.
     ref_params, _ = dispatcher.sync_weights(params, self.plans[Stage.REFERENCE])
@@ -319,7 +348,7 @@ class Trainer:
         self._select(Stage.UPDATE, cfg.rl.batch_size, bucket, step, result.batch)
     ref_plan = self.plans[Stage.REFERENCE]
     with timer("reference"):
-      rb = jax.device_put(result.batch, _batch_shardings(ref_plan, result.batch))
+      rb = _put_tree(result.batch, _batch_shardings(ref_plan, result.batch))
       policy_params, _ = dispatcher.sync_weights(self.state.params, ref_plan)
       old = self.programs.score(policy_params, rb)
       ref = self.programs.score(self.ref_params, rb) if self.use_reference else old
@@ -434,8 +463,11 @@ class Trainer:
     )
     self.restore(ckpt, resume)
     uninstall = checkpoint_lib.install_preemption_handler()
+    # One metrics stream per process: process 0 writes the workdir's, others their own folder.
+    pid = jax.process_index()
+    metrics_dir = self.workdir if pid == 0 else self.workdir / f"process_{pid}"
     writer = metrics_lib.MetricsWriter(
-      self.workdir, config=config_lib.to_dict(cfg), resume_step=self.start_step - 1
+      metrics_dir, config=config_lib.to_dict(cfg), resume_step=self.start_step - 1
     )
     writer.write_event(self.start_step, "plan", {"plan": self.plans.describe()})
     if self.selector is not None:

@@ -177,7 +177,7 @@ def run_rollout(
     if not any(slots):
       break
     if reset.any():
-      cache = _reset_rows(cache, jnp.asarray(reset))
+      cache = _reset_rows(cache, reset)  # a host value: fine for a multi-process cache too
     prompt, mask, positions, active = _chunk_arrays(slots, cfg, pad_id)
     rng, key = jax.random.split(rng)
     out, cache = generate(cache, prompt, mask, positions, active, key)
