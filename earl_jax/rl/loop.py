@@ -425,7 +425,7 @@ class Trainer:
     for opponent in opponents:
       overrides = {"opponent": opponent} if opponent else {}
       envs = [cfg.env.make(**overrides) for _ in range(cfg.rollout.num_slots)]
-      n = _round_up(cfg.train.eval_episodes, cfg.rollout.num_slots)
+      n = rollout.round_up(cfg.train.eval_episodes, cfg.rollout.num_slots)
       episodes = [rollout.EpisodeSpec(seed=_EVAL_SEED_BASE + i, group_id=0) for i in range(n)]
       result = self.play(rollout_params, episodes, envs, jax.random.key(step), evaluation=True)
       name = opponent or "calculator"
@@ -502,10 +502,6 @@ class Trainer:
       writer.close()
       uninstall()
     return rows
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 def run(cfg: config_lib.ExperimentConfig, workdir: str | pathlib.Path) -> list[dict[str, Any]]:

@@ -108,7 +108,8 @@ class _Episode:
   pending: list[int] = dataclasses.field(default_factory=list)  # context to prefill next turn
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+  """The smallest multiple of ``m`` that is >= ``x`` (chunk and length buckets)."""
   return -(-x // m) * m
 
 
@@ -213,7 +214,7 @@ def _fits(ep: _Episode, cfg: RolloutConfig, cache_len: int) -> bool:
 def _chunk_arrays(slots, cfg: RolloutConfig, pad_id: int):
   b = len(slots)
   width = max(len(s[1].pending) for s in slots if s is not None)
-  p = _round_up(width, cfg.chunk_multiple)
+  p = round_up(width, cfg.chunk_multiple)
   prompt = np.full((b, p), pad_id, np.int32)
   mask = np.zeros((b, p), bool)
   positions = np.zeros((b, p), np.int32)
@@ -268,7 +269,7 @@ def _finish(ep: _Episode, outcome: str, *, truncated: bool = False) -> None:
 def _pack(records: Sequence[_Episode], cfg: RolloutConfig, pad_id: int) -> batches.RolloutBatch:
   """Packs episodes into right-padded [E, T] arrays, T bucketed to ``cfg.seq_multiple``."""
   e = len(records)
-  t = _round_up(max([len(r.tokens) for r in records] + [1]), cfg.seq_multiple)
+  t = round_up(max([len(r.tokens) for r in records] + [1]), cfg.seq_multiple)
   tokens = np.full((e, t), pad_id, np.int32)
   valid = np.zeros((e, t), bool)
   loss_mask = np.zeros((e, t), bool)

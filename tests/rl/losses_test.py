@@ -10,6 +10,7 @@ from earl_jax.rl import batches, losses
 from earl_jax.rl.kl import KLEstimator
 from earl_jax.rl.losses import LossAggregation, LossConfig
 from tests.rl.batches_test import random_scored_batch
+from tests.rl.kl_test import np_kl
 
 loss_fn = jax.jit(losses.policy_loss, static_argnames="cfg")
 
@@ -24,15 +25,6 @@ def make_batch(seed: int, empty_rows: tuple[int, ...] = ()):
   # Ratios spread over ~[0.5, 2] so every clip branch is taken somewhere.
   new = np.where(mask, sb.old_logps_BxT + rng.normal(0, 0.4, mask.shape), 0.0)
   return batches.as_jax(ab), jnp.asarray(new, jnp.float32)
-
-
-def np_kl(logp, ref, estimator: KLEstimator):
-  log_r = ref - logp
-  if estimator is KLEstimator.K1:
-    return -log_r
-  if estimator is KLEstimator.K2:
-    return 0.5 * log_r**2
-  return np.exp(log_r) - 1 - log_r
 
 
 def np_token_losses(new, ab, cfg: LossConfig, entropy=None):
