@@ -30,8 +30,11 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = False  # output projection shares the embedding table
   m.max_seq_len = 2048  # longest context (prompt + every turn) the model is asked to handle
   m.vocab_multiple = 128  # embedding rows are padded up to a multiple of this (tensor parallelism)
-  m.param_dtype = "float32"  # parameter storage dtype: float32 | bfloat16
+  m.param_dtype = "float32"  # master weights and Adam moments: float32 | bfloat16 (pure bf16)
   m.compute_dtype = "float32"  # matmul dtype: float32 | bfloat16 (softmax and norms stay float32)
+  m.attention = "auto"  # auto | naive | chunked (O(T) memory) | cudnn (GPU) | splash (TPU)
+  m.attention_block = 512  # query/key block of the chunked and splash attention kernels
+  m.scan_layers = True  # scan the stacked blocks (compile time independent of depth)
 
   r = m.rope = ml_collections.ConfigDict()
   r.theta = 10000.0  # RoPE base (HF rope_theta)
@@ -95,6 +98,8 @@ def get_config() -> ml_collections.ConfigDict:
   rl.num_groups = 8  # P: initial states (prompts) per step
   rl.group_size = 4  # G: episodes per initial state; the batch is P * G episodes
   rl.logp_chunk = 64  # sequence chunk of log-prob computation; divides rollout.seq_multiple
+  rl.ppo_epochs = 1  # passes over each rollout batch (PPO epochs)
+  rl.mini_batches = 1  # optimiser steps per pass; > 1 step in all makes the loop score pi_old
   a = rl.advantage = ml_collections.ConfigDict()
   a.estimator = "grpo"  # grpo | rloo | reinforce_pp (the EARL paper's)
   a.scale_by_std = True  # grpo: divide by the group std (False = Dr. GRPO)
@@ -116,8 +121,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   o = c.optim = ml_collections.ConfigDict()
   o.learning_rate = 1e-5  # peak learning rate
-  o.warmup_steps = 0  # linear warmup steps
-  o.decay_steps = 1000  # cosine decay steps after warmup
+  o.warmup_steps = 0  # linear warmup, in optimiser steps (rl.ppo_epochs * rl.mini_batches a step)
+  o.decay_steps = 1000  # cosine decay optimiser steps after warmup
   o.end_lr_ratio = 0.1  # final learning rate / peak
   o.weight_decay = 0.0  # decoupled AdamW weight decay
   o.b1 = 0.9  # Adam beta1
@@ -135,7 +140,7 @@ def get_config() -> ml_collections.ConfigDict:
     lay.data = -1  # data-parallel size; -1 = the devices left after fsdp and tensor
     lay.fsdp = 1  # parameter-sharding size
     lay.tensor = 1  # tensor-parallel size
-    lay.micro_batch_size = 0  # update: sequences per micro-batch (0 = whole batch)
+    lay.micro_batch_size = 0  # update: sequences per micro-batch (0 = the whole mini-batch)
     lay.remat = "none"  # update: activation rematerialisation none | full | dots
 
   tr = c.train = ml_collections.ConfigDict()

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -95,8 +96,11 @@ class ModelConfig:
   tie_embeddings: bool = False  # output projection shares the embedding table
   max_seq_len: int = 2048  # longest context (prompt + all turns) the model is asked to handle
   vocab_multiple: int = 128  # pad the embedding rows up to a multiple of this
-  param_dtype: DType = DType.FLOAT32
-  compute_dtype: DType = DType.FLOAT32
+  param_dtype: DType = DType.FLOAT32  # master weights (and so Adam moments); keep float32
+  compute_dtype: DType = DType.FLOAT32  # matmul/activation dtype (bfloat16 on accelerators)
+  attention: str = "auto"  # auto | naive | chunked | cudnn | splash (model/attention.py)
+  attention_block: int = 512  # query/key block of the chunked and splash kernels
+  scan_layers: bool = True  # run the stacked blocks with lax.scan (False: unrolled, debugging)
 
   def __post_init__(self):
     for key in ("vocab_size", "embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads"):
@@ -113,6 +117,9 @@ class ModelConfig:
     _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "a positive float")
     _require(self.max_seq_len > 0, "max_seq_len", self.max_seq_len, "a positive int")
     _require(self.vocab_multiple > 0, "vocab_multiple", self.vocab_multiple, "a positive int")
+    impls = ("auto", "naive", "chunked", "cudnn", "splash")
+    _require(self.attention in impls, "attention", self.attention, " | ".join(impls))
+    _require(self.attention_block > 0, "attention_block", self.attention_block, "a positive int")
 
   @property
   def padded_vocab_size(self) -> int:
@@ -202,16 +209,36 @@ class RLConfig:
   num_groups: int = 8  # P: initial states (prompts) per step
   group_size: int = 4  # G: episodes per initial state (GRPO group)
   logp_chunk: int = 64  # sequence chunk of the log-prob computation (bounds the [B, C, V] block)
+  ppo_epochs: int = 1  # passes over each rollout batch
+  mini_batches: int = 1  # optimiser steps per pass (the batch is shuffled and split)
   advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
   loss: LossConfig = dataclasses.field(default_factory=LossConfig)
 
   def __post_init__(self):
-    for key in ("num_groups", "group_size", "logp_chunk"):
+    for key in ("num_groups", "group_size", "logp_chunk", "ppo_epochs", "mini_batches"):
       _require(getattr(self, key) >= 1, key, getattr(self, key), "a positive int")
+    _require(
+      self.batch_size % self.mini_batches == 0,
+      "mini_batches",
+      self.mini_batches,
+      f"a divisor of the batch num_groups * group_size = {self.batch_size}",
+    )
 
   @property
   def batch_size(self) -> int:
     return self.num_groups * self.group_size
+
+  @property
+  def optimizer_steps(self) -> int:
+    """Optimiser steps per rollout batch; with 1, pi_old is the policy being updated."""
+    return self.ppo_epochs * self.mini_batches
+
+  @property
+  def needs_old_logps(self) -> bool:
+    """The reference stage must score the batch under pi_old: several optimiser steps use it, and
+    REINFORCE++ folds KL(pi_old || pi_ref) into the reward."""
+    kl_in_reward = self.advantage.kl_beta > 0
+    return self.optimizer_steps > 1 or kl_in_reward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +300,21 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------------
 # Experiment
 
+# Half the spacing of bfloat16 numbers at |w| = 0.02, a typical LLM weight: an Adam step (about the
+# learning rate per parameter) below this rounds back to w, so the weight never moves.
+_BF16_HALF_ULP_AT_0_02 = 2.0**-6 * 2.0**-8
+
+
+def _warn_pure_bf16(model: ModelConfig, optim: OptimConfig) -> None:
+  if model.param_dtype is DType.BFLOAT16 and optim.learning_rate < 2 * _BF16_HALF_ULP_AT_0_02:
+    warnings.warn(
+      f"model.param_dtype='bfloat16' keeps the master weights in bf16, where an update below "
+      f"~{_BF16_HALF_ULP_AT_0_02:.1e} rounds away for |w| = 0.02: optim.learning_rate="
+      f"{optim.learning_rate:g} will leave most weights unchanged. Use param_dtype='float32' "
+      f"(compute_dtype='bfloat16' keeps bf16 matmuls).",
+      stacklevel=3,
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
@@ -292,6 +334,15 @@ class ExperimentConfig:
 
   def __post_init__(self):
     _require(self.seed >= 0, "seed", self.seed, "a non-negative int")
+    mini = self.rl.batch_size // self.rl.mini_batches
+    micro = self.parallel.update_layout.micro_batch_size
+    _require(
+      micro == 0 or mini % micro == 0,
+      "parallel.update_layout.micro_batch_size",
+      micro,
+      f"0 or a divisor of the mini-batch rl.num_groups * rl.group_size / rl.mini_batches = {mini}",
+    )
+    _warn_pure_bf16(self.model, self.optim)
     _require(
       self.rollout.max_context <= self.model.max_seq_len,
       "rollout.max_context",

@@ -13,6 +13,7 @@ biases) raises instead of loading into a model that would silently compute somet
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -25,7 +26,6 @@ from safetensors import safe_open
 
 from earl_jax.config_lib import ConfigError, ModelConfig, RopeConfig, RopeType
 from earl_jax.model.transformer import Decoder
-from earl_jax.types import DType
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed
@@ -113,42 +113,74 @@ def _check_features(hf: Mapping[str, Any], arch: str) -> None:
     raise CheckpointError(f"unsupported partial_rotary_factor={hf['partial_rotary_factor']}")
 
 
-def model_config_from_hf(
-  hf: Mapping[str, Any], vocab_multiple: int = 128, *, dtype: str = "float32"
-) -> ModelConfig:
-  """ModelConfig of a HF ``config.json`` dict (LlamaForCausalLM / Qwen2ForCausalLM)."""
+# Keys a checkpoint's config.json decides; every other ModelConfig key is a run-time setting
+# (dtypes, attention kernel, scan, context length, vocab padding) taken from the experiment.
+ARCHITECTURE_KEYS = (
+  "vocab_size",
+  "embed_dim",
+  "mlp_dim",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "rms_norm_eps",
+  "rope",
+  "qkv_bias",
+  "tie_embeddings",
+)
+
+
+def model_config_from_hf(hf: Mapping[str, Any], settings: ModelConfig | None = None) -> ModelConfig:
+  """ModelConfig of a HF ``config.json`` dict (LlamaForCausalLM / Qwen2ForCausalLM).
+
+  The architecture comes from ``hf``; the run-time keys (``param_dtype``, ``compute_dtype``,
+  ``attention*``, ``scan_layers``, ``vocab_multiple``, ``max_seq_len``) from ``settings``. Without
+  settings they take ModelConfig's defaults and ``max_seq_len`` the checkpoint's
+  ``max_position_embeddings``. The checkpoint's own ``torch_dtype`` never decides anything:
+  tensors are converted to ``param_dtype`` on load.
+  """
   arch = _architecture(hf)
   _check_features(hf, arch)
-  try:
-    dt = DType(dtype)
-  except ValueError:
-    raise ConfigError("dtype", dtype, f"one of {[d.value for d in DType]}") from None
   num_heads = int(_require_key(hf, "num_attention_heads"))
   embed_dim = int(_require_key(hf, "hidden_size"))
-  return ModelConfig(
-    vocab_size=int(_require_key(hf, "vocab_size")),
-    embed_dim=embed_dim,
-    mlp_dim=int(_require_key(hf, "intermediate_size")),
-    num_layers=int(_require_key(hf, "num_hidden_layers")),
-    num_heads=num_heads,
-    num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-    head_dim=int(hf.get("head_dim") or embed_dim // num_heads),
-    rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-    rope=_rope_config(hf),
-    qkv_bias=arch == "qwen2",
-    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-    vocab_multiple=vocab_multiple,
-    param_dtype=dt,
-    compute_dtype=dt,
-  )
+  architecture = {
+    "vocab_size": int(_require_key(hf, "vocab_size")),
+    "embed_dim": embed_dim,
+    "mlp_dim": int(_require_key(hf, "intermediate_size")),
+    "num_layers": int(_require_key(hf, "num_hidden_layers")),
+    "num_heads": num_heads,
+    "num_kv_heads": int(hf.get("num_key_value_heads") or num_heads),
+    "head_dim": int(hf.get("head_dim") or embed_dim // num_heads),
+    "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+    "rope": _rope_config(hf),
+    "qkv_bias": arch == "qwen2",
+    "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+  }
+  if settings is None:
+    settings = ModelConfig(max_seq_len=int(hf.get("max_position_embeddings", 2048)))
+  return dataclasses.replace(settings, **architecture)
+
+
+def check_architecture(requested: ModelConfig, loaded: ModelConfig, where: str) -> None:
+  """Raises ConfigError for an architecture key the experiment set (a non-default value) that
+  the checkpoint contradicts: a model section that silently lost would mislead the user."""
+  default = ModelConfig()
+  for key in ARCHITECTURE_KEYS:
+    mine, theirs = getattr(requested, key), getattr(loaded, key)
+    if mine != getattr(default, key) and mine != theirs:
+      raise ConfigError(
+        f"model.{key}",
+        mine,
+        f"unset or {theirs!r} (with pretrained_path the architecture is {where}/config.json's)",
+      )
 
 
 # ----------------------------------------------------------------------------------------------
 # Tensor mapping: our state path -> (HF name, expected HF shape, conversion)
 
 _Convert = Callable[[jax.Array], jax.Array]
-_Entry = tuple[str, tuple[int, ...], _Convert]
+# (HF names: one, or one per layer for a stacked block parameter; HF shape of each; conversion)
+_Entry = tuple[tuple[str, ...], tuple[int, ...], _Convert]
 
 
 def _pad_rows(cfg: ModelConfig) -> _Convert:
@@ -156,31 +188,43 @@ def _pad_rows(cfg: ModelConfig) -> _Convert:
 
 
 def _tensor_map(cfg: ModelConfig) -> dict[tuple[Any, ...], _Entry]:
+  """Our state path -> its checkpoint tensors. Block parameters are stacked on a leading layer
+  axis (``Decoder.blocks``), so each reads ``num_layers`` HF tensors, one per layer."""
   d, f, h, k, dh = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   ident: _Convert = lambda w: w  # noqa: E731
   out: dict[tuple[Any, ...], _Entry] = {
-    ("embed",): ("model.embed_tokens.weight", (cfg.vocab_size, d), _pad_rows(cfg)),
-    ("final_norm", "scale"): ("model.norm.weight", (d,), ident),
+    ("embed",): (("model.embed_tokens.weight",), (cfg.vocab_size, d), _pad_rows(cfg)),
+    ("final_norm", "scale"): (("model.norm.weight",), (d,), ident),
   }
   if not cfg.tie_embeddings:
     pad = _pad_rows(cfg)
-    out[("lm_head",)] = ("lm_head.weight", (cfg.vocab_size, d), lambda w: pad(w).T)
-  for i in range(cfg.num_layers):
-    pre, at = f"model.layers.{i}.", ("blocks", i, "attn")
-    out[("blocks", i, "attn_norm", "scale")] = (pre + "input_layernorm.weight", (d,), ident)
-    out[("blocks", i, "mlp_norm", "scale")] = (pre + "post_attention_layernorm.weight", (d,), ident)
-    for name, n in (("q", h), ("k", k), ("v", k)):
-      hf_name = f"{pre}self_attn.{name}_proj"
-      out[(*at, name)] = (hf_name + ".weight", (n * dh, d), lambda w, n=n: w.T.reshape(d, n, dh))
-      if cfg.qkv_bias:
-        out[(*at, name + "_bias")] = (hf_name + ".bias", (n * dh,), lambda w, n=n: w.reshape(n, dh))
-    out[(*at, "o")] = (
-      pre + "self_attn.o_proj.weight",
-      (d, h * dh),
-      lambda w: w.T.reshape(h, dh, d),
+    out[("lm_head",)] = (("lm_head.weight",), (cfg.vocab_size, d), lambda w: pad(w).T)
+
+  def layers(suffix: str) -> tuple[str, ...]:
+    return tuple(f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers))
+
+  out[("blocks", "attn_norm", "scale")] = (layers("input_layernorm.weight"), (d,), ident)
+  out[("blocks", "mlp_norm", "scale")] = (layers("post_attention_layernorm.weight"), (d,), ident)
+  for name, n in (("q", h), ("k", k), ("v", k)):
+    hf = f"self_attn.{name}_proj"
+    out[("blocks", "attn", name)] = (
+      layers(hf + ".weight"),
+      (n * dh, d),
+      lambda w, n=n: w.T.reshape(d, n, dh),
     )
-    for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-      out[("blocks", i, "mlp", name)] = (f"{pre}mlp.{name}_proj.weight", shape, lambda w: w.T)
+    if cfg.qkv_bias:
+      out[("blocks", "attn", name + "_bias")] = (
+        layers(hf + ".bias"),
+        (n * dh,),
+        lambda w, n=n: w.reshape(n, dh),
+      )
+  out[("blocks", "attn", "o")] = (
+    layers("self_attn.o_proj.weight"),
+    (d, h * dh),
+    lambda w: w.T.reshape(h, dh, d),
+  )
+  for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+    out[("blocks", "mlp", name)] = (layers(f"mlp.{name}_proj.weight"), shape, lambda w: w.T)
   return out
 
 
@@ -253,40 +297,49 @@ def _check_names(files: Mapping[str, str], needed: list[str], cfg: ModelConfig, 
 
 
 def load_weights(ckpt_dir: str, cfg: ModelConfig) -> Decoder:
-  """A Decoder for ``cfg`` whose parameters are the checkpoint's tensors (no random init)."""
+  """A Decoder for ``cfg`` whose parameters are the checkpoint's tensors (no random init).
+
+  Tensors are upcast/downcast to ``cfg.param_dtype`` (a bf16 checkpoint becomes exact float32
+  master weights); per-layer tensors are stacked on the layer axis.
+  """
   files = _weight_files(ckpt_dir)
   mapping = _tensor_map(cfg)
-  _check_names(files, [hf for hf, _, _ in mapping.values()], cfg, ckpt_dir)
+  _check_names(files, [n for names, _, _ in mapping.values() for n in names], cfg, ckpt_dir)
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   flat = list(nnx.to_flat_state(state))
   unmapped = sorted(str(path) for path, _ in flat if path not in mapping)
   if unmapped:  # a Decoder parameter the mapping forgot: a bug here, not in the checkpoint
     raise AssertionError(f"hf_import has no checkpoint tensor for parameters {unmapped}")
-  variables = {mapping[path][0]: (path, var) for path, var in flat}
-  for hf_name, w in _read_by_file(files, list(variables)):
-    path, var = variables[hf_name]
+  where = {n: (path, i) for path, _ in flat for i, n in enumerate(mapping[path][0])}
+  parts: dict[tuple[Any, ...], list[jax.Array | None]] = {
+    path: [None] * len(mapping[path][0]) for path, _ in flat
+  }
+  for hf_name, w in _read_by_file(files, list(where)):
+    path, i = where[hf_name]
     hf_shape, convert = mapping[path][1:]
     if tuple(w.shape) != hf_shape:
       raise CheckpointError(
         f"tensor {hf_name} in {ckpt_dir} has shape {tuple(w.shape)}; config.json implies {hf_shape}"
       )
-    value = convert(w.astype(cfg.param_dtype.jnp))
+    parts[path][i] = convert(w.astype(cfg.param_dtype.jnp))
+  for path, var in flat:
+    names = mapping[path][0]
+    value = parts.pop(path)
+    value = jnp.stack(value) if path[0] == "blocks" else value[0]
     if value.shape != var.get_value().shape:  # a bug in the mapping
-      raise AssertionError(
-        f"{hf_name} converts to {value.shape}, {path} is {var.get_value().shape}"
-      )
+      want = var.get_value().shape
+      raise AssertionError(f"{names[0]} converts to {value.shape}, {path} is {want}")
     var.set_value(value)
   return nnx.merge(graphdef, state)
 
 
-def from_pretrained(
-  path: str, *, dtype: str = "float32", vocab_multiple: int = 128
-) -> tuple[ModelConfig, Decoder]:
+def from_pretrained(path: str, settings: ModelConfig | None = None) -> tuple[ModelConfig, Decoder]:
   """(ModelConfig, Decoder) of a HF checkpoint: a local directory or a hub repo id.
 
-  ``dtype`` ("float32" | "bfloat16") is both the parameter and the compute dtype; a bf16
-  checkpoint loaded as float32 is upcast exactly.
+  ``settings`` supplies the run-time keys (see ``model_config_from_hf``); parameters are stored
+  in its ``param_dtype`` (a bf16 checkpoint loaded as float32 is upcast exactly) and computed in
+  its ``compute_dtype``, independently.
   """
   ckpt_dir = resolve_checkpoint_dir(path)
   config_path = os.path.join(ckpt_dir, "config.json")
@@ -294,5 +347,7 @@ def from_pretrained(
     raise CheckpointError(f"{ckpt_dir} has no config.json")
   with open(config_path) as fp:
     hf = json.load(fp)
-  cfg = model_config_from_hf(hf, vocab_multiple, dtype=dtype)
+  cfg = model_config_from_hf(hf, settings)
+  if settings is not None:
+    check_architecture(settings, cfg, ckpt_dir)
   return cfg, load_weights(ckpt_dir, cfg)

@@ -1,4 +1,4 @@
-"""The KV cache of the decoder: per-row slots filled in time order, plus the attention mask.
+"""The KV cache of the decoder: per-row slots filled in time order.
 
 Data flow: the sampler creates a cache with ``init_cache`` and threads it through
 ``Decoder.hidden`` (prefill, then one token per decode step, then the next turn's chunk). Each call
@@ -102,11 +102,3 @@ def write_layer(
   rows_BxT = _row_index(slots_BxT)
   new_BxTxKxDh = new_BxTxKxDh.astype(kv_LxBxSxKxDh.dtype)
   return kv_LxBxSxKxDh.at[layer, rows_BxT, slots_BxT].set(new_BxTxKxDh, mode="drop")
-
-
-def attention_mask(query_slots_BxT: jax.Array, key_valid_BxS: jax.Array) -> jax.Array:
-  """[B, T, S]: a query sees the valid keys at slots up to and including its own."""
-  s = key_valid_BxS.shape[1]
-  key_slots_1x1xS = jnp.arange(s, dtype=jnp.int32)[None, None, :]
-  causal_BxTxS = key_slots_1x1xS <= query_slots_BxT[:, :, None]
-  return causal_BxTxS & key_valid_BxS[:, None, :]

@@ -19,11 +19,9 @@ import numpy as np
 from flax import nnx
 
 from earl_jax.config_lib import ModelConfig, RopeConfig, RopeType
-from earl_jax.types import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, NORM
+from earl_jax.model.layout import constrain
+from earl_jax.types import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, NORM, SEQ
 
-# Masked attention scores: finite, so a query with no visible key (a padding token) gets a uniform
-# softmax instead of NaN, and NaN never reaches gradients.
-_MASKED_SCORE = -1e30
 _INIT_STDDEV = 0.02  # HF initializer_range default; only used for from-scratch models
 
 
@@ -97,27 +95,7 @@ def apply_rope(x_BxTxNxDh: jax.Array, cos_BxTxDh: jax.Array, sin_BxTxDh: jax.Arr
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention
-
-
-def attend(
-  q_BxTxHxDh: jax.Array,
-  k_BxSxKxDh: jax.Array,
-  v_BxSxKxDh: jax.Array,
-  allowed_BxTxS: jax.Array,
-) -> jax.Array:
-  """Grouped-query softmax attention; query head h reads kv head h // (H / K), as HF repeat_kv."""
-  b, t, h, dh = q_BxTxHxDh.shape
-  k = k_BxSxKxDh.shape[2]
-  q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, k, h // k, dh)
-  scores_BxKxGxTxS = jnp.einsum(
-    "btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh, preferred_element_type=jnp.float32
-  )
-  scores_BxKxGxTxS = scores_BxKxGxTxS * (1.0 / math.sqrt(dh))
-  scores_BxKxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKxGxTxS, _MASKED_SCORE)
-  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxDh.dtype)
-  out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs_BxKxGxTxS, v_BxSxKxDh)
-  return out_BxTxKxGxDh.reshape(b, t, h, dh)
+# Attention projections (the kernels are in attention.py)
 
 
 class Attention(nnx.Module):
@@ -150,7 +128,9 @@ class Attention(nnx.Module):
     """Rotated queries [B,T,H,Dh], rotated keys and values [B,T,K,Dh] of the new tokens."""
     q = apply_rope(self._project(x_BxTxD, self.q, self.q_bias), cos_BxTxDh, sin_BxTxDh)
     k = apply_rope(self._project(x_BxTxD, self.k, self.k_bias), cos_BxTxDh, sin_BxTxDh)
-    return q, k, self._project(x_BxTxD, self.v, self.v_bias)
+    v = self._project(x_BxTxD, self.v, self.v_bias)
+    kv_axes = (BATCH, SEQ, KV_HEADS, HEAD_DIM)
+    return constrain(q, (BATCH, SEQ, HEADS, HEAD_DIM)), constrain(k, kv_axes), constrain(v, kv_axes)
 
   def out(self, attn_BxTxHxDh: jax.Array) -> jax.Array:
     return jnp.einsum("bthk,hkd->btd", attn_BxTxHxDh, self.o[...].astype(self.compute_dtype))
@@ -170,5 +150,5 @@ class SwiGLU(nnx.Module):
     cdt = self.compute_dtype
     gate_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.gate[...].astype(cdt))
     up_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.up[...].astype(cdt))
-    hidden_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
+    hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, (BATCH, SEQ, MLP))
     return jnp.einsum("btf,fd->btd", hidden_BxTxF, self.down[...].astype(cdt))

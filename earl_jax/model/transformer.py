@@ -11,24 +11,25 @@ columns; the padding columns hold ``PAD_LOGIT`` so sampling and log-softmax neve
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from earl_jax.config_lib import ModelConfig
-from earl_jax.model import kv_cache
+from earl_jax.model import attention, kv_cache
 from earl_jax.model.kv_cache import KVCache
 from earl_jax.model.layers import (
   Attention,
   RMSNorm,
   SwiGLU,
-  attend,
   normal_init,
   param,
   rope_inv_freq,
   rope_tables,
 )
-from earl_jax.types import EMBED, VOCAB
+from earl_jax.model.layout import constrain
+from earl_jax.types import BATCH, EMBED, LAYERS, SEQ, VOCAB
 
 # Finite (not -inf): exp() underflows to exactly 0, while p * log p and differences stay finite,
 # so entropies and KL terms over the padded vocabulary never become NaN.
@@ -39,6 +40,17 @@ REMAT_POLICIES = {
   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
 }
 _KV = tuple[jax.Array, jax.Array]
+_RESIDUAL = (BATCH, SEQ, None)  # the residual stream: rows sharded, width replicated
+
+
+@flax.struct.dataclass
+class Visibility:
+  """What each query sees (see ``attention``): its slot (-1 = padding, sees nothing), the valid
+  key slots, and with a cache the slots where the new keys are written (S = dropped)."""
+
+  q_slots_BxT: jax.Array
+  k_valid_BxS: jax.Array
+  write_slots_BxT: jax.Array
 
 
 class Block(nnx.Module):
@@ -46,6 +58,7 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     pdt = cfg.param_dtype.jnp
+    self.attention, self.attention_block = cfg.attention, cfg.attention_block
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, param_dtype=pdt)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, param_dtype=pdt)
@@ -55,52 +68,51 @@ class Block(nnx.Module):
     self,
     x_BxTxD: jax.Array,
     rope_BxTxDh: tuple[jax.Array, jax.Array],
-    allowed_BxTxS: jax.Array,
+    vis: Visibility,
     kv: _KV | None,
-    slots_BxT: jax.Array,
-    layer: int,
+    layer: jax.Array,
   ) -> tuple[jax.Array, _KV | None]:
     """Without a cache the keys are the T new tokens; with one (``kv`` = the stacked cache
-    arrays) the new keys are written at ``slots_BxT`` of ``layer`` and all S slots are read."""
+    arrays) the new keys are written into ``layer`` and attention reads the cache's blocks."""
     q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self.attn.qkv(self.attn_norm(x_BxTxD), *rope_BxTxDh)
+    kernel = {"implementation": self.attention, "block_size": self.attention_block}
     if kv is None:
-      keys_BxSxKxDh, values_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+      attn_BxTxHxDh = attention.attend(
+        q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, vis.q_slots_BxT, vis.k_valid_BxS, **kernel
+      )
     else:
-      k_cache = kv_cache.write_layer(kv[0], layer, slots_BxT, k_BxTxKxDh)
-      v_cache = kv_cache.write_layer(kv[1], layer, slots_BxT, v_BxTxKxDh)
-      kv = (k_cache, v_cache)
-      keys_BxSxKxDh = k_cache[layer].astype(q_BxTxHxDh.dtype)
-      values_BxSxKxDh = v_cache[layer].astype(q_BxTxHxDh.dtype)
-    attn_BxTxHxDh = attend(q_BxTxHxDh, keys_BxSxKxDh, values_BxSxKxDh, allowed_BxTxS)
-    x_BxTxD = x_BxTxD + self.attn.out(attn_BxTxHxDh)
-    x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+      kv = (
+        kv_cache.write_layer(kv[0], layer, vis.write_slots_BxT, k_BxTxKxDh),
+        kv_cache.write_layer(kv[1], layer, vis.write_slots_BxT, v_BxTxKxDh),
+      )
+      attn_BxTxHxDh = attention.attend(
+        q_BxTxHxDh, *kv, vis.q_slots_BxT, vis.k_valid_BxS, layer=layer, **kernel
+      )
+    x_BxTxD = constrain(x_BxTxD + self.attn.out(attn_BxTxHxDh), _RESIDUAL)
+    x_BxTxD = constrain(x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), _RESIDUAL)
     return x_BxTxD, kv
 
 
-def _run_block(block: Block, remat: str, layer: int, *args) -> tuple[jax.Array, _KV | None]:
-  """Calls one block, under jax.checkpoint when ``remat`` asks for it.
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """``num_layers`` Blocks as one module whose parameters have a leading ``layers`` axis."""
 
-  The block is split into (graphdef, state) and merged inside the checkpointed function, so the
-  remat works whether the module was created inside the trace or closed over from outside.
-  """
-  if remat == "none":
-    return block(*args, layer=layer)
-  graphdef, state = nnx.split(block)
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+  def make(rngs: nnx.Rngs) -> Block:
+    return Block(cfg, rngs=rngs)
 
-  def fn(state: nnx.State, *args) -> tuple[jax.Array, _KV | None]:
-    return nnx.merge(graphdef, state)(*args, layer=layer)
-
-  return jax.checkpoint(fn, policy=REMAT_POLICIES[remat])(state, *args)
+  return make(rngs)
 
 
 class Decoder(nnx.Module):
-  """Token embedding, ``num_layers`` Blocks, final RMSNorm, output projection (tied or not)."""
+  """Token embedding, ``num_layers`` Blocks (stacked, run by a scan), final RMSNorm, output
+  projection (tied or not)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     pdt, vp, d = cfg.param_dtype.jnp, cfg.padded_vocab_size, cfg.embed_dim
     self.embed = param(normal_init(rngs, (vp, d), pdt), VOCAB, EMBED)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = _stacked_blocks(cfg, rngs)
     self.final_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=pdt)
     self.lm_head = (
       None if cfg.tie_embeddings else param(normal_init(rngs, (d, vp), pdt), EMBED, VOCAB)
@@ -117,6 +129,30 @@ class Decoder(nnx.Module):
           f"{name} has shape {arr.shape}; it must match tokens_BxT {tokens_BxT.shape}"
         )
 
+  def _run_blocks(
+    self, x_BxTxD: jax.Array, rope: tuple, vis: Visibility, kv: _KV | None, remat: str
+  ) -> tuple[jax.Array, _KV | None]:
+    """All layers: one ``lax.scan`` over the stacked parameters (``cfg.scan_layers``), so the
+    program holds one copy of the block whatever the depth; or unrolled, for debugging. The KV
+    cache rides in the carry and each layer writes its own slice in place."""
+    graphdef, state = nnx.split(self.blocks)
+
+    def body(carry, xs):
+      x_BxTxD, kv = carry
+      layer_state, layer = xs
+      return nnx.merge(graphdef, layer_state)(x_BxTxD, rope, vis, kv, layer), None
+
+    if remat != "none":
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+    if self.cfg.scan_layers:
+      (x_BxTxD, kv), _ = jax.lax.scan(body, (x_BxTxD, kv), (state, layers))
+      return x_BxTxD, kv
+    for i in range(self.cfg.num_layers):
+      layer_state = jax.tree.map(lambda a, i=i: a[i], state)
+      (x_BxTxD, kv), _ = body((x_BxTxD, kv), (layer_state, layers[i]))
+    return x_BxTxD, kv
+
   def hidden(
     self,
     tokens_BxT: jax.Array,
@@ -130,27 +166,26 @@ class Decoder(nnx.Module):
 
     Without a cache, token t attends to the valid tokens <= t of its row. With a cache, the
     valid tokens (``mask_BxT``) are appended in order at slots ``end_B ..`` of each row, ``end_B``
-    advances by their count, and each token attends to the valid slots <= its own.
+    advances by their count, and each token attends to the valid slots <= its own. Padding
+    tokens attend to nothing (their hidden states are meaningless and never read).
     ``positions_BxT`` are the RoPE positions. ``remat`` ("none" | "full" | "dots") is static.
     """
     self._check_inputs(tokens_BxT, positions_BxT, mask_BxT, remat)
     cfg, t = self.cfg, tokens_BxT.shape[1]
     x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype.jnp)
+    x_BxTxD = constrain(x_BxTxD, _RESIDUAL)
     rope_BxTxDh = rope_tables(positions_BxT, rope_inv_freq(cfg.rope, cfg.head_dim))
     mask_BxT = mask_BxT.astype(jnp.bool_)
     if cache is None:
       slots_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], tokens_BxT.shape)
-      allowed_BxTxS = kv_cache.attention_mask(slots_BxT, mask_BxT)
+      vis = Visibility(jnp.where(mask_BxT, slots_BxT, -1), mask_BxT, slots_BxT)
       kv = None
     else:
       slots_BxT = kv_cache.write_slots(cache, mask_BxT)
       cache = kv_cache.mark_written(cache, slots_BxT, mask_BxT)
-      allowed_BxTxS = kv_cache.attention_mask(slots_BxT, cache.valid_BxS)
+      vis = Visibility(jnp.where(mask_BxT, slots_BxT, -1), cache.valid_BxS, slots_BxT)
       kv = (cache.k, cache.v)
-    for layer, block in enumerate(self.blocks):
-      x_BxTxD, kv = _run_block(
-        block, remat, layer, x_BxTxD, rope_BxTxDh, allowed_BxTxS, kv, slots_BxT
-      )
+    x_BxTxD, kv = self._run_blocks(x_BxTxD, rope_BxTxDh, vis, kv, remat)
     if cache is not None:
       cache = cache.replace(k=kv[0], v=kv[1])
     return self.final_norm(x_BxTxD), cache

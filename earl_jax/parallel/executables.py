@@ -12,10 +12,11 @@ Memory figures are per device. On CPU ``peak_memory_in_bytes`` leaves out tempor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from earl_jax import model as model_lib
+from earl_jax.model import layout as model_layout
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel.plan import StagePlan
 from earl_jax.rl import reference, update
@@ -121,6 +123,18 @@ class ExecutableCache:
     }
 
 
+@contextlib.contextmanager
+def activation_layout(plan: StagePlan) -> Iterator[None]:
+  """Traces inside constrain the model's activations to ``plan``'s logical->mesh rules."""
+  resolver = functools.partial(_activation_sharding, plan=plan)
+  with model_layout.activation_layout(resolver):
+    yield
+
+
+def _activation_sharding(logical_axes, shape, *, plan: StagePlan) -> NamedSharding:
+  return mesh_lib.logical_to_sharding(logical_axes, shape, plan)
+
+
 def _sds(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
   # Not jnp.dtype(dtype): it rejects extended dtypes such as PRNG keys (key<fry>).
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -178,7 +192,8 @@ def lower_generate(
     out_shardings=(out_sh, cache_sh),
     donate_argnums=(1,),
   )
-  return jitted.lower(*args)
+  with activation_layout(plan):
+    return jitted.lower(*args)
 
 
 def graphdef_config(graphdef: nnx.GraphDef, abstract_state: nnx.State) -> Any:
@@ -214,7 +229,8 @@ def lower_score(
     _sds((b, t), jnp.int32, row2),
     _sds((b, t), jnp.bool_, row2),
   )
-  return jitted.lower(*args)
+  with activation_layout(plan):
+    return jitted.lower(*args)
 
 
 def lower_update(
@@ -225,20 +241,33 @@ def lower_update(
   *,
   loss_fn: update.LossFn,
   optimizer: optax.GradientTransformation,
+  totals_fn: update.TotalsFn = update.no_totals,
+  num_mini_batches: int = 1,
+  num_epochs: int = 1,
 ) -> jax.stages.Lowered:
-  """The update program; the train state is donated. ``abstract_batch`` leaves are [B, ...]."""
+  """The update program (``num_epochs x num_mini_batches`` optimiser steps); the train state is
+  donated. ``abstract_batch`` leaves are [B, ...]; the plan's micro-batch splits a mini-batch."""
   state_sh = train_state_shardings(plan, abstract_train_state, optimizer)
   batch_sh = jax.tree.map(lambda x: mesh_lib.batch_sharding(plan, len(x.shape)), abstract_batch)
   b = jax.tree.leaves(abstract_batch)[0].shape[0]
-  micro = plan.micro_batch_size or b  # 0 means the whole batch in one step
-  if b % micro:
-    raise ValueError(f"batch {b} is not divisible by micro_batch_size={plan.micro_batch_size}")
+  if b % num_mini_batches:
+    raise ValueError(f"batch {b} is not divisible by num_mini_batches={num_mini_batches}")
+  mini = b // num_mini_batches
+  micro = plan.micro_batch_size or mini  # 0 means the whole mini-batch in one step
+  if mini % micro:
+    raise ValueError(
+      f"mini-batch {mini} (batch {b} / {num_mini_batches}) is not divisible by "
+      f"micro_batch_size={plan.micro_batch_size}"
+    )
   fn = functools.partial(
     update.update_step,
     graphdef,
     loss_fn=loss_fn,
     optimizer=optimizer,
-    num_micro_batches=b // micro,
+    totals_fn=totals_fn,
+    num_micro_batches=mini // micro,
+    num_mini_batches=num_mini_batches,
+    num_epochs=num_epochs,
   )
   jitted = jax.jit(
     fn,
@@ -246,9 +275,10 @@ def lower_update(
     out_shardings=(state_sh, replicated(plan)),
     donate_argnums=(0,),
   )
-  return jitted.lower(
-    _abstract(abstract_train_state, state_sh), _abstract(abstract_batch, batch_sh)
-  )
+  with activation_layout(plan):
+    return jitted.lower(
+      _abstract(abstract_train_state, state_sh), _abstract(abstract_batch, batch_sh)
+    )
 
 
 def train_state_shardings(

@@ -13,9 +13,11 @@ Memory terms (per device, bytes), following what the programs keep alive at thei
   gradients   one gradient tree, plus the accumulator when there are several micro-batches
   kv_cache    rollout: [L, slots, S, K, Dh] keys + values, plus ``DeviceSpec.kv_cache_copies``
               extra copies (XLA:CPU double-buffers the cache carried through the decode loop)
-  activations the attention scores of one layer (f32 [B, H, T, S], alive ~3 times: scores, masked
-              scores, probabilities), MLP intermediates, and for the update the per-layer
-              residuals saved for the backward pass (all of them, or one per layer under remat)
+  activations one layer's attention temporaries (``model.attention``: naive keeps f32 [B, H, T, S]
+              scores ~3 times; the blockwise kernels keep [B, H, Bq, Bk] score blocks, key/value
+              block copies and O(T) accumulators, and in the backward pass f32 dq/dk/dv), MLP
+              intermediates, and for the update the per-layer residuals saved for the backward
+              pass (all of them, or one per layer under remat)
   logits      one [B, C, V] f32 chunk (reference/update) or [B, V] (decode), ~3 live copies
   io          tokens, masks and outputs of the program
 
@@ -153,11 +155,31 @@ def _dtype_bytes(name: str) -> int:
 
 
 def _attention_bytes(
-  cfg: ModelConfig, rows: int, queries: int, keys: int, tp_heads: int, copies: int = _SCORE_COPIES
+  cfg: ModelConfig,
+  rows: int,
+  queries: int,
+  keys: int,
+  tp_heads: int,
+  copies: int = _SCORE_COPIES,
+  backward: bool = False,
 ) -> int:
-  """One layer's live attention temporaries: f32 scores (``copies`` of them) and the bool mask."""
+  """One layer's live attention temporaries (see the module docstring)."""
   heads = cfg.num_heads // tp_heads
-  return copies * rows * heads * queries * keys * 4 + rows * queries * keys
+  if cfg.attention == "naive":
+    copies = _BACKWARD_SCORE_COPIES if backward else copies
+    return copies * rows * heads * queries * keys * 4 + rows * queries * keys
+  cb = _dtype_bytes(cfg.compute_dtype.value)
+  kv, dh = max(1, cfg.num_kv_heads // tp_heads), cfg.head_dim
+  bq, bk = min(cfg.attention_block, queries), min(cfg.attention_block, keys)
+  scores = rows * heads * bq * bk * 4
+  # Score blocks: scores, masked scores, probabilities and the block mask (measured ~4 live).
+  fwd = (
+    (copies + 1) * scores + 4 * rows * bk * kv * dh * cb + rows * queries * heads * dh * (cb + 8)
+  )
+  if not backward:
+    return fwd
+  # dq, dO and O in f32 [B, T, H, Dh]; dk, dv in f32 [B, S, K, Dh]; ~3 more score blocks.
+  return fwd + 3 * scores + 3 * rows * queries * heads * dh * 4 + 2 * rows * keys * kv * dh * 4
 
 
 def _rollout(cfg: ModelConfig, plan: StagePlan, w: Workload, copies: int) -> MemoryEstimate:
@@ -208,10 +230,10 @@ def _scored(cfg: ModelConfig, plan: StagePlan, w: Workload) -> MemoryEstimate:
   weights = param_elements_per_device(cfg, plan) * pb
   if w.stage == Stage.REFERENCE:
     return MemoryEstimate(weights, 0, 0, 0, attn + layer_act, logits, io)
-  # Backward: the peak is inside one layer's attention backward, where ~7 score-sized f32
-  # buffers are alive (measured on XLA:CPU, with or without remat). Without remat every layer
-  # also keeps its residuals; with remat only its input.
-  attn = _BACKWARD_SCORE_COPIES * attn // _SCORE_COPIES
+  # Backward: the peak is inside one layer's attention backward (naive: ~7 score-sized f32
+  # buffers, measured on XLA:CPU, with or without remat). Without remat every layer also keeps
+  # its residuals; with remat only its input.
+  attn = _attention_bytes(cfg, rows, t, t, tp, backward=True)
   if plan.remat == "none":
     saved = cfg.num_layers * layer_act
   else:

@@ -28,6 +28,7 @@ from earl_jax.types import (
   FSDP,
   HEADS,
   KV_HEADS,
+  LAYERS,
   LOGICAL_AXES,
   MESH_AXES,
   MLP,
@@ -114,6 +115,10 @@ class StagePlan:
     for name, axes in self.rules:
       if name not in LOGICAL_AXES:
         raise ShardingError(f"rule for unknown logical axis {name!r}; allowed: {LOGICAL_AXES}")
+      if name == LAYERS and axes:
+        raise ShardingError(
+          f"rule {name!r} -> {axes}: the stacked layer axis is scanned over and never sharded"
+        )
       if any(a not in MESH_AXES for a in axes) or len(set(axes)) != len(axes):
         raise ShardingError(f"rule {name!r} -> {axes}: use distinct mesh axes from {MESH_AXES}")
     if len(set(names)) != len(names):

@@ -104,4 +104,10 @@ def resolve_model(name_or_path: str, *, dtype: str = "bfloat16") -> ModelConfig:
   from earl_jax.model.hf_import import model_config_from_hf  # heavy import only when needed
 
   with open(path) as f:
-    return model_config_from_hf(json.load(f), dtype=dtype)
+    hf = json.load(f)
+  settings = ModelConfig(
+    param_dtype=DType(dtype),
+    compute_dtype=DType(dtype),
+    max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+  )
+  return model_config_from_hf(hf, settings)

@@ -138,11 +138,14 @@ class _Programs:
     bucket = batch.tokens_BxT.shape
     micro = plan.micro_batch_size or bucket[0]
     plan_for_batch = dataclasses.replace(plan, micro_batch_size=micro)
-    loss_fn = objective.make_loss_fn(
-      self.cfg.rl.loss,
-      chunk_size=self.cfg.rl.logp_chunk,
+    rl = self.cfg.rl
+    loss_fn = objective.Objective(
+      rl.loss,
+      chunk_size=rl.logp_chunk,
       temperature=self.cfg.sampler.temperature,
       remat=plan.remat,
+      old_from_new=rl.optimizer_steps == 1,
+      reference_scored=rl.loss.kl_beta > 0 or rl.advantage.kl_beta > 0,
     )
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     abstract_state = self.abstract_train_state
@@ -157,6 +160,9 @@ class _Programs:
         abstract_batch,
         loss_fn=loss_fn,
         optimizer=self.optimizer,
+        totals_fn=loss_fn.totals,
+        num_mini_batches=rl.mini_batches,
+        num_epochs=rl.ppo_epochs,
       ),
     )
     if state is None:  # memory check only
@@ -218,10 +224,12 @@ class Trainer:
     self.model_cfg, self._pretrained = cfg.model, None
     if cfg.pretrained_path:  # the checkpoint's config.json decides the architecture
       # Read on the host, then laid out on the update plan (direct sharded loading: follow-up).
-      self.model_cfg, self._pretrained = model_lib.from_pretrained(
+      self.model_cfg, self._pretrained = model_lib.from_pretrained(cfg.pretrained_path, cfg.model)
+      logging.info(
+        "model: architecture from %s; param_dtype=%s, compute_dtype=%s from the config",
         cfg.pretrained_path,
-        dtype=cfg.model.param_dtype.value,
-        vocab_multiple=cfg.model.vocab_multiple,
+        self.model_cfg.param_dtype.value,
+        self.model_cfg.compute_dtype.value,
       )
     if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
       raise config_lib.ConfigError(
@@ -349,10 +357,20 @@ class Trainer:
     ref_plan = self.plans[Stage.REFERENCE]
     with timer("reference"):
       rb = _put_tree(result.batch, _batch_shardings(ref_plan, result.batch))
-      policy_params, _ = dispatcher.sync_weights(self.state.params, ref_plan)
-      old = self.programs.score(policy_params, rb)
-      ref = self.programs.score(self.ref_params, rb) if self.use_reference else old
-      scored = batches.ScoredBatch.from_rollout(rb, ref_logps_BxT=ref, old_logps_BxT=old)
+      # pi_old is scored only when something reads it (several optimiser steps, or KL in the
+      # reward); with one step the objective uses stop_gradient(new log-probs) instead.
+      old = None
+      if cfg.rl.needs_old_logps:
+        policy_params, _ = dispatcher.sync_weights(self.state.params, ref_plan)
+        old = self.programs.score(policy_params, rb)
+      ref = self.programs.score(self.ref_params, rb) if self.use_reference else None
+      unread = jnp.zeros(rb.tokens_BxT.shape, jnp.float32)
+      unread = jax.device_put(unread, _batch_shardings(ref_plan, unread))
+      scored = batches.ScoredBatch.from_rollout(
+        rb,
+        ref_logps_BxT=unread if ref is None else ref,
+        old_logps_BxT=unread if old is None else old,
+      )
       adv = jax.block_until_ready(self._advantages(scored))
     with timer("dispatch"):
       lengths = np.asarray(result.batch.valid_BxT.sum(axis=1))
@@ -369,7 +387,7 @@ class Trainer:
     out.update({f"update/{k}": float(v) for k, v in upd.items()})
     out.update(loop_stats.dispatch_scalars(dispatch_stats, "dispatch"))
     out.update(loop_stats.dispatch_scalars(sync_stats, "sync"))
-    out["lr"] = float(update.learning_rate_schedule(cfg.optim)(step))
+    out["lr"] = float(update.learning_rate_schedule(cfg.optim)(step * cfg.rl.optimizer_steps))
     return out
 
   def _select(self, stage: Stage, load: int, bucket: int, step: int, batch=None) -> None:

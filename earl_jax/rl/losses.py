@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -68,29 +69,52 @@ class LossConfig:
       raise ConfigError("seq_sum_norm", self.seq_sum_norm, "None (= padded T) or a positive int")
 
 
+@flax.struct.dataclass
+class Totals:
+  """Normalisers of one batch, computed once on the whole (mini-)batch before it is split into
+  micro-batches, so every micro-batch's loss is a partial sum of the batch loss (exactness)."""
+
+  tokens: Array  # policy tokens in the batch
+  rows_with_tokens: Array  # rows holding at least one policy token
+  rows: int = flax.struct.field(pytree_node=False)  # rows in the batch (static)
+
+
+def batch_totals(mask_BxT: Array) -> Totals:
+  m_BxT = mask_BxT.astype(jnp.float32)
+  return Totals(
+    tokens=jnp.sum(m_BxT),
+    rows_with_tokens=jnp.sum((jnp.sum(m_BxT, axis=1) > 0).astype(jnp.float32)),
+    rows=mask_BxT.shape[0],
+  )
+
+
 def aggregate(
-  loss_BxT: Array, mask_BxT: Array, mode: LossAggregation, seq_sum_norm: int | None = None
+  loss_BxT: Array,
+  mask_BxT: Array,
+  mode: LossAggregation,
+  seq_sum_norm: int | None = None,
+  totals: Totals | None = None,
 ) -> Array:
   """Reduces per-token losses to a scalar; masked-out tokens never contribute.
 
-  TOKEN_MEAN and SEQ_MEAN_TOKEN_MEAN return 0 when no token (row) is unmasked. In
-  SEQ_MEAN_TOKEN_MEAN rows without policy tokens are left out of the mean over rows. SEQ_SUM_NORM
-  divides by the static constant B * seq_sum_norm (default B * T), so it does not depend on
-  response lengths at all (Dr. GRPO).
+  With ``totals`` of a larger batch that these rows are part of, the result is these rows'
+  contribution to that batch's aggregate (contributions of disjoint parts add up to it exactly);
+  without, ``totals`` are these rows' own. TOKEN_MEAN: sum / policy tokens. SEQ_MEAN_TOKEN_MEAN:
+  sum of row token-means / rows with policy tokens (rows without are left out). SEQ_SUM_NORM:
+  sum / (rows * seq_sum_norm), default rows * T, independent of response lengths (Dr. GRPO).
+  Empty batches give 0.
   """
+  totals = batch_totals(mask_BxT) if totals is None else totals
   m_BxT = mask_BxT.astype(loss_BxT.dtype)
   masked_BxT = jnp.where(mask_BxT, loss_BxT, 0.0)
   if mode is LossAggregation.TOKEN_MEAN:
-    return jnp.sum(masked_BxT) / jnp.maximum(jnp.sum(m_BxT), 1.0)
+    return jnp.sum(masked_BxT) / jnp.maximum(totals.tokens, 1.0)
   if mode is LossAggregation.SEQ_MEAN_TOKEN_MEAN:
-    count_B = jnp.sum(m_BxT, axis=1)
-    row_mean_B = jnp.sum(masked_BxT, axis=1) / jnp.maximum(count_B, 1.0)
-    has_tokens_B = (count_B > 0).astype(loss_BxT.dtype)
-    return jnp.sum(row_mean_B * has_tokens_B) / jnp.maximum(jnp.sum(has_tokens_B), 1.0)
+    row_mean_B = jnp.sum(masked_BxT, axis=1) / jnp.maximum(jnp.sum(m_BxT, axis=1), 1.0)
+    return jnp.sum(row_mean_B) / jnp.maximum(totals.rows_with_tokens, 1.0)
   if mode is LossAggregation.SEQ_SUM_NORM:
-    b, t = loss_BxT.shape
-    norm = t if seq_sum_norm is None else seq_sum_norm
-    return jnp.sum(masked_BxT) / float(b * norm)
+    norm = loss_BxT.shape[1] if seq_sum_norm is None else seq_sum_norm
+    return jnp.sum(masked_BxT) / float(totals.rows * norm)
   raise ValueError(f"aggregation {mode!r}; allowed: {[m.name for m in LossAggregation]}")
 
 
@@ -126,15 +150,16 @@ def ppo_clip_per_token(
   return jnp.where(mask_BxT, pg_BxT, 0.0), ratio_BxT, clipped_BxT, dual_clipped_BxT
 
 
-def _masked_mean(x_BxT: Array, mask_BxT: Array) -> Array:
-  total = jnp.sum(jnp.where(mask_BxT, x_BxT, 0.0))
-  return total / jnp.maximum(jnp.sum(mask_BxT.astype(jnp.float32)), 1.0)
+def _masked_mean(x_BxT: Array, mask_BxT: Array, tokens: Array) -> Array:
+  """Token mean over a batch of ``tokens`` policy tokens (these rows' contribution to it)."""
+  return jnp.sum(jnp.where(mask_BxT, x_BxT, 0.0)) / jnp.maximum(tokens, 1.0)
 
 
-def _masked_extreme(x_BxT: Array, mask_BxT: Array, fn, fill: float) -> Array:
-  # fn over the masked entries; 0 when the mask is empty (instead of +-inf).
+def _masked_extreme(x_BxT: Array, mask_BxT: Array, fn, fill: float, partial: bool) -> Array:
+  # fn over the masked entries. An empty mask gives 0, or, for a part of a larger batch, the
+  # neutral +-inf so that max/min over the parts is right (the update stage maps +-inf to 0).
   value = fn(jnp.where(mask_BxT, x_BxT, fill))
-  return jnp.where(jnp.any(mask_BxT), value, 0.0)
+  return value if partial else jnp.where(jnp.any(mask_BxT), value, 0.0)
 
 
 def policy_loss(
@@ -142,6 +167,9 @@ def policy_loss(
   batch: AdvantageBatch,
   cfg: LossConfig,
   entropy_BxT: Array | None = None,
+  *,
+  totals: Totals | None = None,
+  old_logps_BxT: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """The update stage's loss: PPO-clip + optional in-loss KL + optional entropy bonus.
 
@@ -152,6 +180,10 @@ def policy_loss(
     cfg: static loss configuration.
     entropy_BxT: f32 [B, T] per-token entropy of the new policy; required iff entropy_coef > 0
       (always reported as a metric when given).
+    totals: normalisers of the whole batch these rows belong to (``batch_totals``); loss and
+      metrics are then these rows' contributions (see ``aggregate``). None: these rows alone.
+    old_logps_BxT: overrides ``batch.old_logps_BxT`` (the single-step objective passes
+      stop_gradient(new_logps_BxT): the ratio is exactly 1 and its gradient the policy gradient).
 
   Returns:
     (loss, metrics). Metrics are token means over policy tokens (independent of the loss
@@ -163,8 +195,11 @@ def policy_loss(
   if cfg.entropy_coef > 0 and entropy_BxT is None:
     raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef} > 0 needs entropy_BxT")
   mask_BxT = batch.loss_mask_BxT
+  partial = totals is not None
+  totals = batch_totals(mask_BxT) if totals is None else totals
+  old_BxT = batch.old_logps_BxT if old_logps_BxT is None else old_logps_BxT
   pg_BxT, ratio_BxT, clipped_BxT, dual_BxT = ppo_clip_per_token(
-    new_logps_BxT, batch.old_logps_BxT, batch.advantages_BxT, mask_BxT, cfg
+    new_logps_BxT, old_BxT, batch.advantages_BxT, mask_BxT, cfg
   )
   loss_BxT = pg_BxT
   kl_ref_BxT = kl_per_token(new_logps_BxT, batch.ref_logps_BxT, mask_BxT, cfg.kl_estimator)
@@ -172,24 +207,25 @@ def policy_loss(
     loss_BxT = loss_BxT + cfg.kl_beta * kl_ref_BxT
   if cfg.entropy_coef > 0:
     loss_BxT = loss_BxT - cfg.entropy_coef * entropy_BxT
-  loss = aggregate(loss_BxT, mask_BxT, cfg.aggregation, cfg.seq_sum_norm)
+  loss = aggregate(loss_BxT, mask_BxT, cfg.aggregation, cfg.seq_sum_norm, totals)
 
   sg = jax.lax.stop_gradient
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   # k3 with the roles of ref played by new: KL(old || new) estimated on samples of old.
-  approx_kl_old_BxT = kl_per_token(batch.old_logps_BxT, new_logps_BxT, mask_BxT, KLEstimator.K3)
+  approx_kl_old_BxT = kl_per_token(sg(old_BxT), new_logps_BxT, mask_BxT, KLEstimator.K3)
+  mean = lambda x_BxT: _masked_mean(x_BxT, mask_BxT, totals.tokens)  # noqa: E731
   metrics = {
-    "pg_loss": _masked_mean(sg(pg_BxT), mask_BxT),
-    "kl_loss": cfg.kl_beta * _masked_mean(sg(kl_ref_BxT), mask_BxT),
-    "kl_ref": _masked_mean(sg(kl_ref_BxT), mask_BxT),
-    "approx_kl_old": _masked_mean(sg(approx_kl_old_BxT), mask_BxT),
-    "clip_frac": _masked_mean(f32(clipped_BxT), mask_BxT),
-    "dual_clip_frac": _masked_mean(f32(dual_BxT), mask_BxT),
-    "ratio_mean": _masked_mean(sg(ratio_BxT), mask_BxT),
-    "ratio_max": _masked_extreme(sg(ratio_BxT), mask_BxT, jnp.max, -jnp.inf),
-    "ratio_min": _masked_extreme(sg(ratio_BxT), mask_BxT, jnp.min, jnp.inf),
+    "pg_loss": mean(sg(pg_BxT)),
+    "kl_loss": cfg.kl_beta * mean(sg(kl_ref_BxT)),
+    "kl_ref": mean(sg(kl_ref_BxT)),
+    "approx_kl_old": mean(sg(approx_kl_old_BxT)),
+    "clip_frac": mean(f32(clipped_BxT)),
+    "dual_clip_frac": mean(f32(dual_BxT)),
+    "ratio_mean": mean(sg(ratio_BxT)),
+    "ratio_max": _masked_extreme(sg(ratio_BxT), mask_BxT, jnp.max, -jnp.inf, partial),
+    "ratio_min": _masked_extreme(sg(ratio_BxT), mask_BxT, jnp.min, jnp.inf, partial),
     "num_tokens": jnp.sum(f32(mask_BxT)),
   }
   if entropy_BxT is not None:
-    metrics["entropy"] = _masked_mean(sg(entropy_BxT), mask_BxT)
+    metrics["entropy"] = mean(sg(entropy_BxT))
   return loss, metrics

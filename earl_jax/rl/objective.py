@@ -1,12 +1,14 @@
 """The RL objective of the update stage: new-policy log-probs (chunked) fed to the policy loss.
 
-Data flow: ``rl/update.update_step`` calls the returned ``loss_fn(model, AdvantageBatch)`` under
-``jax.grad`` for each micro-batch. The log-probs are the reference scorer's chunked computation,
-so the update stage never materialises the [B, T, V] logits either, and each chunk is recomputed
-in the backward pass.
+Data flow: ``rl/update.update_step`` calls ``Objective.totals`` once on the whole (mini-)batch and
+the objective itself, ``(model, micro, totals) -> (loss, metrics)``, under ``jax.grad`` for each
+micro-batch. The log-probs are the reference scorer's chunked computation, so the update stage
+never materialises the [B, T, V] logits either, and each chunk is recomputed in the backward pass.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 from flax import nnx
@@ -15,25 +17,45 @@ from earl_jax.rl import losses, reference
 from earl_jax.rl.batches import AdvantageBatch
 
 
-def make_loss_fn(
-  loss_cfg: losses.LossConfig, *, chunk_size: int, temperature: float = 1.0, remat: str = "none"
-):
-  """``(model, batch) -> (loss, metrics)`` for ``update.update_step``.
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """PPO/GRPO objective over an ``AdvantageBatch``; hashable, so it can key compiled programs.
 
   ``temperature`` must be the sampler's: the ratio pi_new / pi_old compares distributions at the
   temperature the tokens were sampled at. ``remat`` is the UPDATE plan's per-block policy.
+  ``old_from_new``: the batch gets a single optimiser step, so pi_old is the policy being
+  differentiated; the ratio is exp(logp - stop_gradient(logp)) = 1 exactly and the batch's
+  ``old_logps_BxT`` is never read (the loop does not compute it).
+  ``reference_scored``: the batch's ``ref_logps_BxT`` are real (a KL term needs them); without,
+  the ``kl_ref`` metric is left out rather than reported against a placeholder.
   """
 
-  def loss_fn(model: nnx.Module, batch: AdvantageBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
+  loss: losses.LossConfig
+  chunk_size: int
+  temperature: float = 1.0
+  remat: str = "none"
+  old_from_new: bool = False
+  reference_scored: bool = True
+
+  def totals(self, batch: AdvantageBatch) -> losses.Totals:
+    return losses.batch_totals(batch.loss_mask_BxT)
+
+  def __call__(
+    self, model: nnx.Module, batch: AdvantageBatch, totals: losses.Totals
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     new_logps_BxT, entropy_BxT = reference.token_logps(
       model,
       batch.tokens_BxT,
       batch.positions_BxT,
       batch.valid_BxT,
-      chunk_size=chunk_size,
-      temperature=temperature,
-      remat=remat,
+      chunk_size=self.chunk_size,
+      temperature=self.temperature,
+      remat=self.remat,
     )
-    return losses.policy_loss(new_logps_BxT, batch, loss_cfg, entropy_BxT)
-
-  return loss_fn
+    old_BxT = jax.lax.stop_gradient(new_logps_BxT) if self.old_from_new else None
+    loss, metrics = losses.policy_loss(
+      new_logps_BxT, batch, self.loss, entropy_BxT, totals=totals, old_logps_BxT=old_BxT
+    )
+    if not self.reference_scored:
+      metrics.pop("kl_ref")
+    return loss, metrics

@@ -1,8 +1,21 @@
-"""The policy-update stage: train state and one optimiser step over a batch of micro-batches.
+"""The policy-update stage: train state and the optimiser steps of one rollout batch.
 
 Data flow: AdvantageBatch --dispatch--> update@UPDATE plan --> new TrainState (params then go back
-to the rollout layout by weight sync). The loss itself is injected (``loss_fn``) so the update
-stage does not depend on a particular RL objective; ``rl/objective.py`` builds the PPO/GRPO one.
+to the rollout layout by weight sync). The loss itself is injected (``loss_fn`` + ``totals_fn``)
+so the update stage does not depend on a particular RL objective; ``rl/objective.py`` builds the
+PPO/GRPO one.
+
+One call runs ``num_epochs x num_mini_batches`` optimiser steps (PPO epochs over shuffled
+mini-batches; 1 x 1 is the common GRPO setting), each accumulating gradients over micro-batches.
+
+Exact normalisation: ``totals_fn`` reads the whole (mini-)batch once (e.g. its policy-token
+count) and ``loss_fn(model, micro, totals)`` returns that micro-batch's *contribution* to the
+batch loss, already divided by the batch totals. Contributions are summed, so micro-batching
+never changes the loss or the gradient. Metrics follow the same rule (partial sums), except those
+named ``*_max`` / ``*_min``, combined by max / min (+-inf, nothing seen, is reported as 0).
+
+Precision: gradients are taken w.r.t. the master parameters (float32 by default, whatever the
+compute dtype) and accumulated in float32 across micro-batches even for bf16 parameters.
 
 Optimiser: AdamW with linear warmup + cosine decay, global-norm clipping, and optax's
 ``apply_if_finite`` guard, which turns an update whose gradients are not finite into a no-op and
@@ -23,7 +36,14 @@ from flax import nnx
 
 from earl_jax.types import ConfigError
 
-LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, dict[str, jax.Array]]]
+# (model, micro-batch, totals of the whole batch) -> (loss contribution, metric contributions)
+LossFn = Callable[[nnx.Module, Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
+TotalsFn = Callable[[Any], Any]
+
+
+def no_totals(batch: Any) -> None:
+  """For losses that need nothing from the whole batch (their contributions just add up)."""
+  del batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +122,92 @@ def skipped_updates(state: TrainState) -> jax.Array:
   return state.opt_state.total_notfinite
 
 
-def _micro_batches(batch: Any, num_micro_batches: int) -> Any:
-  """[B, ...] leaves -> [M, B/M, ...], strided so every micro-batch spans every data shard."""
+def _split_rows(batch: Any, n: int, what: str) -> Any:
+  """[B, ...] leaves -> [n, B/n, ...], strided so every part spans every data shard."""
 
   def split(x: jax.Array) -> jax.Array:
     b = x.shape[0]
-    if b % num_micro_batches:
-      raise ValueError(f"batch {b} is not divisible by num_micro_batches={num_micro_batches}")
-    return jnp.swapaxes(x.reshape(b // num_micro_batches, num_micro_batches, *x.shape[1:]), 0, 1)
+    if b % n:
+      raise ValueError(f"batch {b} is not divisible by {what}={n}")
+    return jnp.swapaxes(x.reshape(b // n, n, *x.shape[1:]), 0, 1)
 
   return jax.tree.map(split, batch)
+
+
+def _combine(key: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  if key.endswith("_max"):
+    return jnp.maximum(a, b)
+  if key.endswith("_min"):
+    return jnp.minimum(a, b)
+  return a + b
+
+
+def _gradients(graphdef, params, batch, loss_fn, totals_fn, num_micro_batches):
+  """Loss, float32 gradients and metrics of one (mini-)batch, accumulated over micro-batches."""
+  totals = totals_fn(batch)
+
+  def micro_loss(params: nnx.State, micro: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return loss_fn(nnx.merge(graphdef, params), micro, totals)
+
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
+  micros = _split_rows(batch, num_micro_batches, "num_micro_batches")
+  (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micros))
+  if num_micro_batches == 1:
+    return loss, f32(grads), metrics
+
+  def accumulate(carry, micro):
+    loss_acc, grads_acc, metrics_acc = carry
+    (loss, metrics), grads = grad_fn(params, micro)
+    grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+    metrics_acc = {k: _combine(k, metrics_acc[k], v) for k, v in metrics.items()}
+    return (loss_acc + loss, grads_acc, metrics_acc), None
+
+  rest = jax.tree.map(lambda x: x[1:], micros)
+  (loss, grads, metrics), _ = jax.lax.scan(accumulate, (loss, f32(grads), metrics), rest)
+  return loss, grads, metrics
+
+
+def _finite_extremes(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """A *_max / *_min that saw nothing is +-inf after combining; report it as 0."""
+  return {
+    k: jnp.where(jnp.isfinite(v), v, 0.0) if k.endswith(("_max", "_min")) else v
+    for k, v in metrics.items()
+  }
+
+
+def _optimizer_step(graphdef, state, batch, loss_fn, totals_fn, optimizer, num_micro_batches):
+  loss, grads, metrics = _gradients(
+    graphdef, state.params, batch, loss_fn, totals_fn, num_micro_batches
+  )
+  # Accumulated in f32; handed to the optimiser in the parameters' dtype (a no-op for f32 master
+  # weights; pure-bf16 opt-in keeps its moments bf16 as optax initialised them).
+  cast = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+  updates, opt_state = optimizer.update(cast, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  out = _finite_extremes(metrics)
+  out.update(
+    loss=loss,
+    grad_norm=optax.tree.norm(grads),
+    skipped_updates=opt_state.total_notfinite.astype(jnp.float32),
+  )
+  return new_state, out
+
+
+def _summarize(metrics_NxK: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Per-step metrics [N] -> one value: mean, max/min for *_max/*_min, last skip count."""
+  out = {}
+  for k, v in metrics_NxK.items():
+    if k.endswith("_max"):
+      out[k] = jnp.max(v)
+    elif k.endswith("_min"):
+      out[k] = jnp.min(v)
+    elif k == "skipped_updates":
+      out[k] = v[-1]
+    else:
+      out[k] = jnp.mean(v)
+  return out
 
 
 def update_step(
@@ -121,49 +217,32 @@ def update_step(
   *,
   loss_fn: LossFn,
   optimizer: optax.GradientTransformation,
+  totals_fn: TotalsFn = no_totals,
   num_micro_batches: int = 1,
+  num_mini_batches: int = 1,
+  num_epochs: int = 1,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimiser step; gradients are accumulated over ``num_micro_batches`` in a scan.
+  """``num_epochs x num_mini_batches`` optimiser steps on ``batch``.
 
-  The loss (and every metric) is the mean over micro-batches of ``loss_fn``'s value, so peak
-  activation memory is that of one micro-batch. Pure: jit it with the UPDATE plan's shardings and
-  donate ``state`` (see ``parallel/executables.py``).
+  Each epoch shuffles the rows (a permutation drawn from the state's rng and step, so a resumed
+  run repeats it) and splits them into ``num_mini_batches``; each mini-batch is one optimiser step
+  whose gradient is accumulated over ``num_micro_batches`` in a scan (peak activation memory is
+  that of one micro-batch). Metrics are averaged over the steps. Pure: jit it with the UPDATE
+  plan's shardings and donate ``state`` (see ``parallel/executables.py``).
   """
-
-  def micro_loss(params: nnx.State, micro: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return loss_fn(nnx.merge(graphdef, params), micro)
-
-  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-  def accumulate(carry, micro):
-    grads_acc, loss_acc, metrics_acc = carry
-    (loss, metrics), grads = grad_fn(state.params, micro)
-    add = lambda a, b: a + b  # noqa: E731
-    return (
-      jax.tree.map(add, grads_acc, grads),
-      loss_acc + loss,
-      jax.tree.map(add, metrics_acc, metrics),
-    ), None
-
-  micros = _micro_batches(batch, num_micro_batches)
-  first = jax.tree.map(lambda x: x[0], micros)
-  metrics_shape = jax.eval_shape(lambda p, m: micro_loss(p, m)[1], state.params, first)
-  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
-  init = (
-    zeros(jax.eval_shape(lambda: state.params)),
-    jnp.zeros((), jnp.float32),
-    zeros(metrics_shape),
+  step = lambda s, b: _optimizer_step(  # noqa: E731
+    graphdef, s, b, loss_fn, totals_fn, optimizer, num_micro_batches
   )
-  (grads, loss, metrics), _ = jax.lax.scan(accumulate, init, micros)
-  scale = 1.0 / num_micro_batches
-  grads = jax.tree.map(lambda g: g * scale, grads)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-  out = {k: v * scale for k, v in metrics.items()}
-  out.update(
-    loss=loss * scale,
-    grad_norm=optax.tree.norm(grads),
-    skipped_updates=opt_state.total_notfinite,
-  )
-  return new_state, out
+  if num_epochs == 1 and num_mini_batches == 1:
+    return step(state, batch)
+  b = jax.tree.leaves(batch)[0].shape[0]
+  keys = jax.random.split(jax.random.fold_in(state.rng, state.step), num_epochs)
+
+  def epoch(state: TrainState, key: jax.Array):
+    order_B = jax.random.permutation(key, b)
+    shuffled = jax.tree.map(lambda x: jnp.take(x, order_B, axis=0), batch)
+    minis = _split_rows(shuffled, num_mini_batches, "num_mini_batches")
+    return jax.lax.scan(step, state, minis)
+
+  state, metrics = jax.lax.scan(epoch, state, keys)
+  return state, _summarize(jax.tree.map(lambda x: x.reshape(-1), metrics))

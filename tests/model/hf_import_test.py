@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -11,10 +12,12 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
+from flax import nnx
 
-from earl_jax.config_lib import ConfigError, RopeType
+from earl_jax.config_lib import ConfigError, ModelConfig, RopeType
 from earl_jax.model import CheckpointError, from_pretrained, logits, model_config_from_hf
-from earl_jax.model.transformer import PAD_LOGIT
+from earl_jax.model.transformer import PAD_LOGIT, Decoder
+from earl_jax.types import DType
 
 _VOCAB = 97  # not a multiple of 128: exercises the padded vocab
 _BASE = dict(
@@ -113,8 +116,11 @@ def test_bf16_checkpoint_loaded_as_f32(tmp_path):
   _save_hf(tmp_path, "qwen2", save_dtype=torch.bfloat16)
   with safetensors.safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as fp:
     assert fp.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
-  _, model = from_pretrained(str(tmp_path), dtype="float32")
-  assert model.embed[...].dtype == np.float32
+  cfg, model = from_pretrained(str(tmp_path), ModelConfig(compute_dtype=DType.BFLOAT16))
+  assert model.embed[...].dtype == np.float32 and cfg.param_dtype == DType.FLOAT32
+  assert cfg.compute_dtype == DType.BFLOAT16  # the checkpoint's dtype never overrides a setting
+  cfg = dataclasses.replace(cfg, compute_dtype=DType.FLOAT32)
+  model = nnx.merge(nnx.graphdef(Decoder(cfg, rngs=nnx.Rngs(0))), nnx.state(model))
   tokens = _tokens()
   np.testing.assert_allclose(
     np.asarray(logits(model, tokens)), _hf_logits(tmp_path, tokens), atol=1e-4, rtol=0
@@ -135,7 +141,10 @@ def test_sharded_checkpoint(tmp_path):
 
 def test_padded_vocab_masked_and_bf16_load(tmp_path):
   _save_hf(tmp_path, "qwen2")
-  cfg, model = from_pretrained(str(tmp_path), dtype="bfloat16", vocab_multiple=64)
+  settings = ModelConfig(
+    param_dtype=DType.BFLOAT16, compute_dtype=DType.BFLOAT16, vocab_multiple=64
+  )
+  cfg, model = from_pretrained(str(tmp_path), settings)
   assert cfg.padded_vocab_size == 128 and model.embed[...].shape == (128, 48)
   assert model.embed[...].dtype == jax.numpy.bfloat16
   out, _ = model(_tokens(), np.zeros((2, 11), np.int32), mask_BxT=np.ones((2, 11), bool))
@@ -193,8 +202,15 @@ def test_missing_tensor(tmp_path):
 def test_not_a_directory_nor_repo_id(tmp_path):
   with pytest.raises(CheckpointError, match="not a local directory"):
     from_pretrained(str(tmp_path / "nope"))
-  with pytest.raises(ConfigError, match="'dtype' has value 'float16'"):
-    model_config_from_hf({**_BASE, "model_type": "llama"}, dtype="float16")
+
+
+def test_set_architecture_key_that_disagrees_is_an_error(tmp_path):
+  _save_hf(tmp_path, "qwen2")
+  loaded, _ = from_pretrained(str(tmp_path))
+  agree = ModelConfig(num_layers=loaded.num_layers, compute_dtype=DType.BFLOAT16)
+  assert from_pretrained(str(tmp_path), agree)[0].num_layers == loaded.num_layers
+  with pytest.raises(ConfigError, match=r"'model\.num_layers' has value 7.*config\.json"):
+    from_pretrained(str(tmp_path), ModelConfig(num_layers=7))
 
 
 def test_hub_repo_id_goes_through_snapshot_download(tmp_path, monkeypatch):

@@ -73,9 +73,9 @@ def test_sharded_logits_match_unsharded(mesh, model):
   graphdef, state = nnx.split(model)
   state_shardings = _shardings(nnx.get_partition_spec(state), state, mesh)
   sharded_state = jax.device_put(state, state_shardings)
-  q = sharded_state["blocks"][0]["attn"]["q"].get_value()
-  assert q.sharding.spec == P("fsdp", "tensor", None)
-  assert q.addressable_shards[0].data.shape == (16, 2, 8)  # really split, not replicated
+  q = sharded_state["blocks"]["attn"]["q"].get_value()
+  assert q.sharding.spec == P(None, "fsdp", "tensor", None)  # the layer axis is never sharded
+  assert q.addressable_shards[0].data.shape == (2, 16, 2, 8)  # really split, not replicated
   embed = sharded_state["embed"].get_value()
   assert embed.addressable_shards[0].data.shape == (64, 16)
   assert all(

@@ -71,21 +71,21 @@ def test_parameter_logical_axes_and_count(tie, bias):
   cfg = dataclasses.replace(_CFG, tie_embeddings=tie, qkv_bias=bias)
   state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
   specs = {path: spec for path, spec in nnx.to_flat_state(nnx.get_partition_spec(state))}
-  block = ("blocks", 1)
+  block = ("blocks",)  # stacked: every block parameter has a leading layers axis
   expected = {
     ("embed",): P("vocab", "embed"),
     ("final_norm", "scale"): P("norm"),
-    (*block, "attn_norm", "scale"): P("norm"),
-    (*block, "attn", "q"): P("embed", "heads", "head_dim"),
-    (*block, "attn", "k"): P("embed", "kv_heads", "head_dim"),
-    (*block, "attn", "o"): P("heads", "head_dim", "embed"),
-    (*block, "mlp", "gate"): P("embed", "mlp"),
-    (*block, "mlp", "down"): P("mlp", "embed"),
+    (*block, "attn_norm", "scale"): P("layers", "norm"),
+    (*block, "attn", "q"): P("layers", "embed", "heads", "head_dim"),
+    (*block, "attn", "k"): P("layers", "embed", "kv_heads", "head_dim"),
+    (*block, "attn", "o"): P("layers", "heads", "head_dim", "embed"),
+    (*block, "mlp", "gate"): P("layers", "embed", "mlp"),
+    (*block, "mlp", "down"): P("layers", "mlp", "embed"),
   }
   if not tie:
     expected[("lm_head",)] = P("embed", "vocab")
   if bias:
-    expected[(*block, "attn", "v_bias")] = P("kv_heads", "head_dim")
+    expected[(*block, "attn", "v_bias")] = P("layers", "kv_heads", "head_dim")
   for path, spec in expected.items():
     assert specs[path].get_value() == spec, path
   assert (("lm_head",) in specs) == (not tie)
@@ -160,3 +160,28 @@ def test_llama3_inv_freq_matches_transformers(head_dim):
   np.testing.assert_allclose(ours, hf_inv_freq.numpy(), rtol=1e-6, atol=0)
   plain = rope_inv_freq(RopeConfig(theta=500000.0), head_dim)
   assert np.abs(ours - plain).max() > 1e-4  # the scaling is really applied
+
+
+def test_scanned_and_unrolled_layers_agree():
+  """The scan over stacked blocks and the unrolled debug path compute the same logits/grads."""
+  cfg = dataclasses.replace(_CFG, num_layers=3)
+  model = _randomized(cfg)
+  unrolled = nnx.merge(
+    nnx.graphdef(Decoder(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0))),
+    nnx.state(model),
+  )
+  tokens = _tokens()
+
+  def loss(m):
+    return jnp.sum(logits(m, tokens)[..., :5] ** 2)
+
+  np.testing.assert_allclose(
+    np.asarray(jax.jit(logits)(model, tokens)),
+    np.asarray(jax.jit(logits)(unrolled, tokens)),
+    atol=1e-5,
+  )
+  g_scan = nnx.state(jax.jit(nnx.grad(loss))(model))
+  g_unrolled = nnx.state(jax.jit(nnx.grad(loss))(unrolled))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5), g_scan, g_unrolled
+  )

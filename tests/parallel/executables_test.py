@@ -102,7 +102,7 @@ def test_update_program_steps_and_donates_train_state():
   tokens, positions, valid = _batch(8, 16, seed=2)
   batch = {"tokens": tokens, "positions": positions, "valid": valid}
 
-  def loss_fn(m, mb):
+  def loss_fn(m, mb, totals):
     logps_BxT, _ = reference.token_logps(
       m, mb["tokens"], mb["positions"], mb["valid"], chunk_size=8, remat="full"
     )

@@ -71,7 +71,7 @@ def test_reference_prediction_matches_memory_analysis(mesh, length):
 
 
 def pg_loss(remat: str, chunk: int) -> update.LossFn:
-  def loss_fn(m: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
+  def loss_fn(m: nnx.Module, batch: dict, totals: None) -> tuple[jax.Array, dict]:
     logps_BxT, _ = reference.token_logps(
       m, batch["tokens"], batch["positions"], batch["valid"], chunk_size=chunk, remat=remat
     )

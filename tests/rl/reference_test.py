@@ -77,9 +77,17 @@ def test_rejects_length_not_multiple_of_chunk(model):
 
 def _peak_bytes(t: int, chunk: int, vocab: int) -> int:
   cfg = ModelConfig(
-    vocab_size=vocab, embed_dim=16, mlp_dim=16, num_layers=1, num_heads=1, num_kv_heads=1,
-    head_dim=16, vocab_multiple=128,
-  )  # fmt: skip
+    vocab_size=vocab,
+    embed_dim=16,
+    mlp_dim=16,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=16,
+    vocab_multiple=128,
+    attention="chunked",
+    attention_block=32,
+  )  # fmt: skip  (32-token attention blocks: attention memory is linear here too)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Decoder(cfg, rngs=nnx.Rngs(0))))
 
   def fn(state, tokens, positions, valid):

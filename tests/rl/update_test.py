@@ -25,12 +25,20 @@ def _batch(seed: int = 0, b: int = 4, t: int = 12) -> dict:
   return {"tokens": tokens, "positions": positions, "valid": valid}
 
 
-def nll_loss(model, batch):
+def _scored(batch):
+  return batch["valid"] & (batch["positions"] > 0)
+
+
+def nll_totals(batch):
+  """The whole batch's scored-token count: micro-batch losses are partial sums over it."""
+  return jnp.maximum(_scored(batch).sum(), 1)
+
+
+def nll_loss(model, batch, n):
   logps, entropy = reference.token_logps(
     model, batch["tokens"], batch["positions"], batch["valid"], chunk_size=4
   )
-  mask = batch["valid"] & (batch["positions"] > 0)
-  n = jnp.maximum(mask.sum(), 1)
+  mask = _scored(batch)
   return -jnp.sum(logps * mask) / n, {"entropy": jnp.sum(entropy * mask) / n}
 
 
@@ -45,7 +53,13 @@ def _setup(optim: update.OptimConfig):
 def _step_fn(graphdef, opt, m=1, loss_fn=nll_loss):
   def fn(state, batch):
     return update.update_step(
-      graphdef, state, batch, loss_fn=loss_fn, optimizer=opt, num_micro_batches=m
+      graphdef,
+      state,
+      batch,
+      loss_fn=loss_fn,
+      optimizer=opt,
+      num_micro_batches=m,
+      totals_fn=nll_totals,
     )
 
   return jax.jit(fn, donate_argnums=(0,))
@@ -62,8 +76,10 @@ def test_golden_one_step_metrics():
   state, metrics = step(state, _batch())
   got = {k: float(v) for k, v in metrics.items()}
   got["next_loss"] = float(step(state, _batch())[1]["loss"])  # covers the optimiser's update too
-  golden = {"loss": 3.377563, "grad_norm": 1.207580, "entropy": 3.363341, "skipped_updates": 0.0}
-  golden["next_loss"] = 3.130104
+  # Refreshed when the blocks became one stacked module (per-layer init keys now come from
+  # nnx.split_rngs, so the random init differs; the loss/optimiser maths did not change).
+  golden = {"loss": 3.365000, "grad_norm": 1.266177, "entropy": 3.363334, "skipped_updates": 0.0}
+  golden["next_loss"] = 3.107622
   for key, want in golden.items():
     assert got[key] == pytest.approx(want, rel=1e-4, abs=1e-6), (key, got)
 
@@ -79,13 +95,12 @@ def test_loss_goes_down_on_a_memorisable_batch():
 
 
 def test_micro_batches_accumulate_to_the_full_batch_gradient():
-  # With equal-length rows the per-micro-batch token mean equals the full-batch token mean.
-  batch = _batch(2, b=4)
-  batch["valid"][:] = True
-  batch["positions"] = np.broadcast_to(np.arange(12, dtype=np.int32), (4, 12)).copy()
+  batch = _batch(2, b=4)  # rows of unequal length: the totals keep the token mean exact
   results = []
   for m in (1, 2, 4):
-    graphdef, state, opt = _setup(update.OptimConfig(learning_rate=1e-2))
+    # eps=1e-3: with Adam's default eps a first step is ~lr * sign(g), which turns f32 summation
+    # order on near-zero gradients into O(lr) differences (see update_sharded_test).
+    graphdef, state, opt = _setup(update.OptimConfig(learning_rate=1e-2, eps=1e-3))
     state, metrics = _step_fn(graphdef, opt, m)(state, batch)
     results.append((float(metrics["loss"]), float(metrics["grad_norm"]), state.params))
   for loss, norm, params in results[1:]:
@@ -98,8 +113,8 @@ def test_non_finite_gradients_skip_the_update_and_are_counted():
   graphdef, state, opt = _setup(update.OptimConfig(learning_rate=1e-2))
   before = jax.tree.map(np.asarray, state.params)
 
-  def bad_loss(model, batch):
-    loss, metrics = nll_loss(model, batch)
+  def bad_loss(model, batch, n):
+    loss, metrics = nll_loss(model, batch, n)
     return loss * jnp.nan, metrics
 
   state, metrics = _step_fn(graphdef, opt, loss_fn=bad_loss)(state, _batch())
