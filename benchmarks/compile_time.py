@@ -1,0 +1,66 @@
+"""Compile time of the update program vs depth: scanned layers against the unrolled debug path.
+
+Lowers and compiles the update program (PPO step, fwd + bwd + AdamW, remat=full) of a model of
+the same width at 2 and 24 layers, with ``model.scan_layers`` on and off, from abstract shapes on
+one device, and prints the seconds (median of --repeats fresh compilations; JAX's persistent
+compilation cache is not enabled here) and the 24/2 ratio.
+
+  PYTHONPATH=. python benchmarks/compile_time.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+from flax import nnx
+
+from benchmarks.attention import MODEL, _abstract_batch
+from earl_jax import model as model_lib
+from earl_jax.parallel import executables as ex
+from earl_jax.parallel.plan import make_stage_plan
+from earl_jax.rl import losses, objective, update
+from earl_jax.types import Stage
+
+
+def compile_seconds(layers: int, scan: bool, t: int, b: int) -> float:
+  cfg = dataclasses.replace(MODEL, num_layers=layers, scan_layers=scan)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Decoder(cfg, rngs=nnx.Rngs(0))))
+  plan = make_stage_plan(Stage.UPDATE, [0], 1, 1, 1, remat="full")
+  optimizer = update.make_optimizer(update.OptimConfig())
+  train = jax.eval_shape(lambda: update.init_train_state(state, optimizer, jax.random.key(0)))
+  obj = objective.Objective(losses.LossConfig(), chunk_size=64, remat="full", old_from_new=True)
+  start = time.perf_counter()
+  ex.lower_update(
+    plan, graphdef, train, _abstract_batch(b, t), loss_fn=obj, optimizer=optimizer,
+    totals_fn=obj.totals,
+  ).compile()  # fmt: skip
+  return time.perf_counter() - start
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--seq", type=int, default=256)
+  parser.add_argument("--batch", type=int, default=4)
+  args = parser.parse_args()
+  print(f"update program, D={MODEL.embed_dim}, batch {args.batch} x {args.seq}, "
+        f"backend {jax.default_backend()}")  # fmt: skip
+  print("| layers | scan s | unrolled s |")
+  print("|---|---|---|")
+  out = {}
+  for layers in (2, 24):
+    for scan in (True, False):
+      jax.clear_caches()
+      runs = [compile_seconds(layers, scan, args.seq, args.batch) for _ in range(args.repeats)]
+      out[layers, scan] = statistics.median(runs)
+    print(f"| {layers} | {out[layers, True]:.2f} | {out[layers, False]:.2f} |", flush=True)
+  print(f"24/2 layers: scan {out[24, True] / out[2, True]:.2f}x, "
+        f"unrolled {out[24, False] / out[2, False]:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+  main()
