@@ -129,8 +129,10 @@ def main() -> None:
     slope, icpt = np.polyfit(ts, ys, 1)
     resid = np.max(np.abs(ys - (slope * ts + icpt)) / ys)
     below = all(c[col] < n[col] for c, n in zip(peaks["chunked"], peaks["naive"]) if c[0] >= 2048)
-    print(f"{name} chunked: peak ~= {icpt / 2**20:.1f} MiB + {slope:.0f} B/token x T "
-          f"(worst relative residual {resid:.3f}); below naive for every T >= 2048: {below}")  # fmt: skip
+    print(
+      f"{name} chunked: peak ~= {icpt / 2**20:.1f} MiB + {slope:.0f} B/token x T (worst "
+      f"relative residual {resid:.3f}); below naive for all T >= 2048: {below}"
+    )
 
 
 if __name__ == "__main__":

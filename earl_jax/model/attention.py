@@ -53,7 +53,7 @@ def attend(
   """Attention output [B, T, H, Dh] in the query dtype.
 
   ``k``/``v`` are [B, S, K, Dh], or the stacked KV cache [L, B, S, K, Dh] together with ``layer``
-  (then blocks are read straight from the cache: the layer is never copied out whole).
+  (forward only; key blocks past the last visible slot are never visited).
   """
   impl = resolve(implementation, cached=layer is not None, seq_len=q_BxTxHxDh.shape[1])
   if impl == "naive":
@@ -65,9 +65,7 @@ def attend(
   if impl == "splash":
     return _splash(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, block_size)
   if layer is not None:  # decode / prefill into the cache: forward only
-    return _flash_forward(
-      q_BxTxHxDh, k[layer], v[layer], q_slots_BxT, k_valid_BxS, None, block_size
-    )[0]
+    return _flash_forward(q_BxTxHxDh, k[layer], v[layer], q_slots_BxT, k_valid_BxS, block_size)[0]
   return chunked(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, block_size)
 
 
@@ -141,14 +139,19 @@ def _q_blocks(
   return q_NxBxQxKxGxDh, jnp.moveaxis(slots.reshape(b, nq, bq), 1, 0), bq
 
 
-def _kv_block(kv: jax.Array, layer: jax.Array | None, start: jax.Array, bk: int) -> jax.Array:
-  """Key (or value) block [B, Bk, K, Dh] starting at ``start`` (already clamped into range)."""
-  if layer is None:
-    b, _, k, dh = kv.shape
-    return jax.lax.dynamic_slice(kv, (0, start, 0, 0), (b, bk, k, dh))
-  _, b, _, k, dh = kv.shape
-  zero = jnp.zeros((), jnp.int32)
-  return jax.lax.dynamic_slice(kv, (layer, zero, start, zero, zero), (1, b, bk, k, dh))[0]
+def _key_block(k_BxSxKxDh, v_BxSxKxDh, k_valid_BxS, j: jax.Array, bk: int):
+  """Key block ``j``: (nominal start, read start, keys, values, validity) [B, Bk, ...].
+
+  The read start is clamped so the last block ends at S; its keys before the nominal start
+  belong to the previous block and are masked in ``_block_scores``.
+  """
+  b, s, k, dh = k_BxSxKxDh.shape
+  nominal = j * bk
+  start = jnp.minimum(nominal, s - bk)
+  k_blk = jax.lax.dynamic_slice(k_BxSxKxDh, (0, start, 0, 0), (b, bk, k, dh))
+  v_blk = jax.lax.dynamic_slice(v_BxSxKxDh, (0, start, 0, 0), (b, bk, k, dh))
+  valid = jax.lax.dynamic_slice(k_valid_BxS, (0, start), (b, bk))
+  return nominal, start, k_blk, v_blk, valid
 
 
 def _block_scores(
@@ -180,7 +183,7 @@ def _num_kv_blocks(slots_NxBxQ: jax.Array, bk: int, nk: int) -> jax.Array:
   return jnp.clip((hi_N + bk) // bk, 0, nk).astype(jnp.int32)
 
 
-def _flash_forward(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, layer, block):
+def _flash_forward(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, block):
   """Output [B, T, H, Dh] and the log-sum-exp [Nq, B, K, G, Bq] (0 where nothing is visible)."""
   b, t, h, dh = q_BxTxHxDh.shape
   s, num_kv = k_valid_BxS.shape[1], k.shape[-2]
@@ -196,10 +199,7 @@ def _flash_forward(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, layer, block):
 
     def kv_step(j, carry):
       m, l, acc = carry
-      nominal = j * bk
-      start = jnp.minimum(nominal, s - bk)
-      k_blk, v_blk = _kv_block(k, layer, start, bk), _kv_block(v, layer, start, bk)
-      valid = jax.lax.dynamic_slice(k_valid_BxS, (0, start), (b, bk))
+      nominal, start, k_blk, v_blk, valid = _key_block(k, v, k_valid_BxS, j, bk)
       scores, allowed = _block_scores(q_BxQxKxGxDh, k_blk, slots_BxQ, valid, start, nominal)
       m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
       p = jnp.exp(scores - m_new[..., None]) * allowed
@@ -228,13 +228,11 @@ def _flash_forward(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, layer, block):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def chunked(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, q_slots_BxT, k_valid_BxS, block_size=512):
   """Blockwise attention without a cache; differentiable with O(T) memory (custom backward)."""
-  return _flash_forward(
-    q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, q_slots_BxT, k_valid_BxS, None, block_size
-  )[0]
+  return _flash_forward(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, q_slots_BxT, k_valid_BxS, block_size)[0]
 
 
 def _chunked_fwd(q, k, v, q_slots, k_valid, block_size):
-  out, lse = _flash_forward(q, k, v, q_slots, k_valid, None, block_size)
+  out, lse = _flash_forward(q, k, v, q_slots, k_valid, block_size)
   return out, (q, k, v, q_slots, k_valid, out, lse)
 
 
@@ -255,10 +253,7 @@ def _chunked_bwd(block_size, residuals, d_out_BxTxHxDh):
 
   def kv_block(j, carry):
     dq_N, dk, dv = carry
-    nominal = j * bk
-    start = jnp.minimum(nominal, s - bk)
-    k_blk, v_blk = _kv_block(k, None, start, bk), _kv_block(v, None, start, bk)
-    valid = jax.lax.dynamic_slice(k_valid, (0, start), (b, bk))
+    nominal, start, k_blk, v_blk, valid = _key_block(k, v, k_valid, j, bk)
 
     def q_block(i, inner):
       dq_N, dk_blk, dv_blk = inner
