@@ -234,6 +234,11 @@ class RLConfig:
     return self.ppo_epochs * self.mini_batches
 
   @property
+  def needs_ref_logps(self) -> bool:
+    """A KL term against the frozen reference (in the loss, or folded into the reward)."""
+    return self.loss.kl_beta > 0 or self.advantage.kl_beta > 0
+
+  @property
   def needs_old_logps(self) -> bool:
     """The reference stage must score the batch under pi_old: several optimiser steps use it, and
     REINFORCE++ folds KL(pi_old || pi_ref) into the reward."""

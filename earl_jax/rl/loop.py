@@ -136,8 +136,6 @@ class _Programs:
   def update(self, state: update.TrainState, batch: batches.AdvantageBatch, plan=None):
     plan = plan or self.plans[Stage.UPDATE]
     bucket = batch.tokens_BxT.shape
-    micro = plan.micro_batch_size or bucket[0]
-    plan_for_batch = dataclasses.replace(plan, micro_batch_size=micro)
     rl = self.cfg.rl
     loss_fn = objective.Objective(
       rl.loss,
@@ -145,7 +143,7 @@ class _Programs:
       temperature=self.cfg.sampler.temperature,
       remat=plan.remat,
       old_from_new=rl.optimizer_steps == 1,
-      reference_scored=rl.loss.kl_beta > 0 or rl.advantage.kl_beta > 0,
+      reference_scored=rl.needs_ref_logps,
     )
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     abstract_state = self.abstract_train_state
@@ -154,7 +152,7 @@ class _Programs:
       plan,
       bucket,
       lambda: executables.lower_update(
-        plan_for_batch,
+        plan,
         self.graphdef,
         abstract_state,
         abstract_batch,
@@ -264,7 +262,6 @@ class Trainer:
     self._context_bucket = cfg.rollout.seq_multiple
     self.envs = [cfg.env.make() for _ in range(cfg.rollout.num_slots)]
     self.kv_cache = self._new_cache()
-    self.use_reference = cfg.rl.loss.kl_beta > 0 or cfg.rl.advantage.kl_beta > 0
     self._advantages = jax.jit(
       functools.partial(
         advantage.compute_advantages, cfg=cfg.rl.advantage, num_groups=cfg.rl.num_groups
@@ -363,7 +360,7 @@ class Trainer:
       if cfg.rl.needs_old_logps:
         policy_params, _ = dispatcher.sync_weights(self.state.params, ref_plan)
         old = self.programs.score(policy_params, rb)
-      ref = self.programs.score(self.ref_params, rb) if self.use_reference else None
+      ref = self.programs.score(self.ref_params, rb) if cfg.rl.needs_ref_logps else None
       unread = jnp.zeros(rb.tokens_BxT.shape, jnp.float32)
       unread = jax.device_put(unread, _batch_shardings(ref_plan, unread))
       scored = batches.ScoredBatch.from_rollout(

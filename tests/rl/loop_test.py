@@ -118,3 +118,16 @@ def test_selector_decisions_are_logged_and_respect_the_memory_budget(tmp_path):
   # The budget constrained the choice: some plan was rejected for memory, a fitting one ran.
   assert any("B > budget" in why for e in update for _, why in e["rejected"]), update[0]
   assert all(r["dispatch/bytes_through_host"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_ppo_epochs_and_mini_batches_in_the_loop(tmp_path):
+  """2 epochs x 2 mini-batches (micro_batch_size 0 = the whole mini-batch): pi_old is scored by
+  the reference stage and the train state takes 4 optimiser steps per rollout batch."""
+  c = dataclasses.replace(tiny_config(num_steps=1, eval_every=0).rl, ppo_epochs=2, mini_batches=2)
+  cfg = dataclasses.replace(tiny_config(num_steps=1, eval_every=0), rl=c)
+  assert cfg.rl.needs_old_logps and cfg.parallel.update_layout.micro_batch_size == 0
+  trainer = loop.Trainer(cfg, tmp_path)
+  (row,) = trainer.run()
+  assert int(trainer.state.step) == 4 and row["update/skipped_updates"] == 0
+  assert row["update/ratio_max"] > 0 and row["update/loss"] == row["update/loss"]  # not NaN
