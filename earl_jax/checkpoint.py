@@ -15,26 +15,64 @@ the caller's JSON; ``format`` records which leaves were typed PRNG keys. Typed k
 ``jax.random.key_data`` and rewrapped with ``jax.random.wrap_key_data`` on restore, transparently.
 
 Atomicity comes from orbax: a step is written to a temporary directory and renamed when complete,
-so a run killed mid-save leaves the previous complete step as ``latest_step``.
+so a run killed mid-save leaves the previous complete step as ``latest_step``. A complete step can
+still be damaged later (a truncated file, a deleted manifest): ``restore_newest_readable`` reports
+it in one line, moves it aside to ``<directory>.damaged/`` (never deletes it) and falls back to the
+next older step. A failed background write raises ``CheckpointWriteError`` once, at the next
+``check``/``save``/``wait``, naming the step, the path and the cause; the steps already on disk
+stay as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging as py_logging
 import pathlib
+import shutil
 import signal
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
+from jax.experimental import multihost_utils
 
 from earl_jax.types import PyTree
 
 _FORMAT_VERSION = 1
 _ITEMS = ("state", "meta", "format")
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be written or read; the message names the step, the path and why."""
+
+
+class DamagedCheckpointError(CheckpointError):
+  """A step on disk cannot be read (missing or truncated files, unreadable metadata)."""
+
+  def __init__(self, step: int, directory: pathlib.Path, cause: BaseException | str):
+    self.step, self.cause = step, cause
+    why = cause if isinstance(cause, str) else f"{type(cause).__name__}: {_one_line(cause)}"
+    super().__init__(f"checkpoint step {step} in {directory} is unreadable ({why})")
+
+
+class CheckpointWriteError(CheckpointError):
+  """A (background) save failed; the steps already on disk are untouched."""
+
+
+class CheckpointMismatchError(ValueError):
+  """The state asked for differs from the one on disk (keys, shapes, dtypes): a changed model or
+  optimiser, not a damaged file, so resume stops instead of falling back to an older step."""
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(e).split())
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _path_part(entry: Any) -> str:
@@ -81,6 +119,19 @@ def _to_abstract(name: str, leaf: Any) -> jax.ShapeDtypeStruct:
   )
 
 
+class _OrbaxErrorsInOneLine(py_logging.Filter):
+  """Drops the traceback orbax logs (several times) for a failed background save; the failure
+  reaches the caller once, as a CheckpointWriteError carrying the cause."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if record.exc_info and "orbax" in record.pathname:
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+_ORBAX_FILTER = _OrbaxErrorsInOneLine()
+
+
 class Checkpointer:
   """Saves every ``save_every`` steps (or when forced), keeps the last ``keep``, restores anywhere.
 
@@ -119,6 +170,29 @@ class Checkpointer:
       "format": ocp.JsonCheckpointHandler(),
     }
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    logging.get_absl_logger().addFilter(_ORBAX_FILTER)  # idempotent: a filter is added once
+    self._writing: int | None = None  # the step of the last save started
+    self._write_failed = False  # a write error was raised once; later waits do not repeat it
+
+  @property
+  def damaged_directory(self) -> pathlib.Path:
+    """Where unreadable steps are moved: ``<directory>.damaged/<step>[-<unix time>]``."""
+    return self.directory.with_name(self.directory.name + ".damaged")
+
+  def _write_error(self, e: BaseException) -> CheckpointWriteError:
+    self._write_failed = True
+    kept = [s for s in self._manager.all_steps() if s != self._writing]
+    return CheckpointWriteError(
+      f"writing checkpoint step {self._writing} to {self.directory} failed: "
+      f"{type(e).__name__}: {_one_line(e)}; steps on disk ({sorted(kept) or 'none'}) are intact"
+    )
+
+  def check(self) -> None:
+    """Raises ``CheckpointWriteError`` (once) if a background save has failed; never blocks on a
+    save still in progress."""
+    if self._write_failed or self._manager.is_saving_in_progress():
+      return
+    self.wait()  # the save is finished: returns at once, or raises its error
 
   def should_save(self, step: int, *, force: bool = False) -> bool:
     """Whether ``save(step, force=force)`` would write (cadence and not already on disk)."""
@@ -128,6 +202,7 @@ class Checkpointer:
     """Starts saving ``state`` and ``meta`` at ``step`` if due; returns whether a save started."""
     if not isinstance(step, int) or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
+    self.check()
     if not self.should_save(step, force=force):
       return False
     try:
@@ -147,11 +222,22 @@ class Checkpointer:
       format=ocp.args.JsonSave(fmt),
     )
     # Cadence is decided above, so orbax's own save-interval policy is bypassed with force=True.
-    return bool(self._manager.save(step, args=args, force=True))
+    self._writing = step
+    try:
+      return bool(self._manager.save(step, args=args, force=True))
+    except Exception as e:  # a synchronous part of the write failed
+      raise self._write_error(e) from e
 
   def wait(self) -> None:
-    """Blocks until every started save is complete on disk."""
-    self._manager.wait_until_finished()
+    """Blocks until every started save is complete on disk; raises a write error once."""
+    try:
+      self._manager.wait_until_finished()
+      if not self._write_failed:
+        self._manager.check_for_errors()
+    except Exception as e:  # reported with its cause, once
+      if self._write_failed:
+        return
+      raise self._write_error(e) from e
 
   def latest_step(self) -> int | None:
     """The newest complete step on disk, or None when there is none."""
@@ -174,7 +260,8 @@ class Checkpointer:
 
     Raises:
       FileNotFoundError: no checkpoint (or not this step) in the directory.
-      ValueError: the abstract state's keys, shapes or dtypes differ from what is on disk.
+      CheckpointMismatchError: the abstract state's keys, shapes or dtypes differ from the disk.
+      DamagedCheckpointError: the step's files cannot be read.
     """
     self.wait()
     steps = self.all_steps()
@@ -186,8 +273,9 @@ class Checkpointer:
       raise FileNotFoundError(
         f"no checkpoint for step {step} in {self.directory}; available steps: {steps or 'none'}"
       )
-    fmt = self._manager.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))
-    prng_impls: dict[str, str] = fmt["format"]["prng_keys"]
+    with self._reading(step):
+      fmt = self._manager.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))
+      prng_impls: dict[str, str] = dict(fmt["format"]["prng_keys"])
     flat_abstract, treedef = _flatten(abstract_state)
     wanted = {}
     for name, leaf in flat_abstract.items():
@@ -197,16 +285,101 @@ class Checkpointer:
         data = jax.eval_shape(jax.random.key_data, leaf)
         leaf = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=leaf.sharding)
       wanted[name] = leaf
-    self._check_matches(step, wanted, flat_abstract, prng_impls)
-    restored = self._manager.restore(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted), meta=ocp.args.JsonRestore()),
-    )
+    with self._reading(step):
+      on_disk, _ = _flatten(self._manager.item_metadata(step)["state"].tree)
+    self._check_matches(step, wanted, flat_abstract, prng_impls, on_disk)
+    with self._reading(step):
+      restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(wanted), meta=ocp.args.JsonRestore()
+        ),
+      )
+      meta = self._valid_meta(step, restored["meta"])
     flat_state = dict(restored["state"])
     for name in prng_impls:
       flat_state[name] = jax.random.wrap_key_data(flat_state[name], impl=prng_impls[name])
     leaves = [flat_state[name] for name in flat_abstract]
-    return jax.tree_util.tree_unflatten(treedef, leaves), dict(restored["meta"])
+    return jax.tree_util.tree_unflatten(treedef, leaves), meta
+
+  @contextlib.contextmanager
+  def _reading(self, step: int) -> Iterator[None]:
+    """Any failure to read ``step`` inside becomes a DamagedCheckpointError."""
+    try:
+      yield
+    except (CheckpointError, CheckpointMismatchError):
+      raise
+    except Exception as e:  # whatever orbax/tensorstore raise for a bad file
+      raise DamagedCheckpointError(step, self.directory, e) from e
+
+  def _valid_meta(self, step: int, meta: Any) -> dict[str, Any]:
+    if not isinstance(meta, Mapping):
+      raise DamagedCheckpointError(step, self.directory, f"meta is a {type(meta).__name__}")
+    if "step" in meta and meta["step"] != step:
+      raise DamagedCheckpointError(step, self.directory, f"meta says step {meta['step']}")
+    return dict(meta)
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    """The JSON ``meta`` saved with ``step`` (no arrays are read); DamagedCheckpointError if the
+    file is missing or unreadable."""
+    with self._reading(step):
+      restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      return self._valid_meta(step, restored["meta"])
+
+  def restore_newest_readable(
+    self,
+    *,
+    abstract_state: PyTree,
+    check_meta: Callable[[int, dict[str, Any]], None] | None = None,
+  ) -> tuple[PyTree, dict[str, Any], list[int]]:
+    """Restores the newest step that reads back; unreadable newer steps are moved aside.
+
+    Each unreadable step is reported in one warning line (step, cause, where it was moved) and
+    moved to ``damaged_directory`` (process 0 moves, every process waits for it), then the next
+    older step is tried. ``check_meta(step, meta)`` runs on each candidate's meta before its
+    arrays are read; what it raises (a changed config) propagates and nothing is moved.
+
+    Returns:
+      ``(state, meta, damaged_steps)``.
+
+    Raises:
+      FileNotFoundError: no checkpoint at all in the directory.
+      CheckpointError: checkpoints exist but none is readable (names the directory and causes).
+      CheckpointMismatchError: the newest readable step holds another state layout.
+    """
+    self.wait()
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint found in {self.directory}")
+    damaged: list[DamagedCheckpointError] = []
+    for step in reversed(steps):
+      try:
+        meta = self.read_meta(step)
+        if check_meta is not None:
+          check_meta(step, meta)
+        state, meta = self.restore(step, abstract_state=abstract_state)
+      except DamagedCheckpointError as e:
+        damaged.append(e)
+        self._move_aside(e)
+        continue
+      return state, meta, [e.step for e in damaged]
+    raise CheckpointError(
+      f"no readable checkpoint in {self.directory} (steps {steps} are damaged and were moved to "
+      f"{self.damaged_directory}): " + "; ".join(f"step {e.step}: {e.cause}" for e in damaged)
+    )
+
+  def _move_aside(self, error: DamagedCheckpointError) -> None:
+    source = self.directory / str(error.step)
+    target = self.damaged_directory / str(error.step)
+    if jax.process_index() == 0:
+      self.damaged_directory.mkdir(parents=True, exist_ok=True)
+      if target.exists():
+        target = target.with_name(f"{error.step}-{int(time.time())}")
+      shutil.move(str(source), str(target))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"earl_jax_damaged_checkpoint_{error.step}")
+    self._manager.reload()
+    logging.warning("%s; moved to %s, trying the next older step", error, target)
 
   def _check_matches(
     self,
@@ -214,9 +387,9 @@ class Checkpointer:
     wanted: dict[str, jax.ShapeDtypeStruct],
     flat_abstract: dict[str, jax.ShapeDtypeStruct],
     prng_impls: dict[str, str],
+    on_disk: dict[str, Any],
   ) -> None:
-    """Raises one ValueError listing every key, shape, dtype or key-type mismatch with the disk."""
-    on_disk, _ = _flatten(self._manager.item_metadata(step)["state"].tree)
+    """Raises one CheckpointMismatchError listing every key, shape, dtype or key-type mismatch."""
     problems = []
     missing, extra = sorted(set(wanted) - set(on_disk)), sorted(set(on_disk) - set(wanted))
     if missing:
@@ -234,15 +407,22 @@ class Checkpointer:
           f"{name}: typed PRNG key on one side only (saved as key: {name in prng_impls})"
         )
     if problems:
-      raise ValueError(
+      raise CheckpointMismatchError(
         f"abstract_state does not match checkpoint step {step} in {self.directory}: "
         + "; ".join(problems)
       )
 
   def close(self) -> None:
-    """Waits for pending saves and releases orbax's background resources."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending saves and releases orbax's background resources (a write error not yet
+    reported is raised after the resources are released)."""
+    try:
+      self.wait()
+    finally:
+      try:
+        self._manager.close()
+      except Exception:  # a failed write was reported (or is being raised) above
+        if not self._write_failed:
+          raise
 
   def __enter__(self) -> Checkpointer:
     return self

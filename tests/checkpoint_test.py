@@ -259,3 +259,128 @@ def test_sigkill_mid_save_leaves_a_complete_checkpoint(tmp_path, delay_s):
     assert ckpt.all_steps() == [1, 2]
     assert ckpt.restore(abstract_state=_abstract_child_state())[1] == {"step": 2}
   ckpt.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults: a damaged newest step, a failed background write.
+
+
+def _two_steps(directory: pathlib.Path) -> tuple[checkpoint_lib.Checkpointer, dict]:
+  one = NamedSharding(_mesh((1, 1), jax.devices()[:1]), P())
+
+  def state(v: int) -> dict:
+    return {"w": jax.device_put(jnp.full((16, 8), float(v)), one), "rng": jax.random.key(v)}
+
+  with checkpoint_lib.Checkpointer(directory, save_every=1, keep=3) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, state=state(step), meta={"step": step})
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+    jax.eval_shape(lambda: state(0)),
+  )
+  return checkpoint_lib.Checkpointer(directory, save_every=1, keep=3), abstract
+
+
+def _truncate(path: pathlib.Path) -> None:
+  with open(path, "r+b") as f:
+    f.truncate(path.stat().st_size // 2)
+
+
+_FAULTS = {
+  "truncated_data": lambda s: [_truncate(p) for p in (s / "state" / "d").iterdir()],
+  "deleted_data": lambda s: [p.unlink() for p in (s / "state" / "d").iterdir()],
+  "deleted_manifest": lambda s: (s / "state" / "manifest.ocdbt").unlink(),
+  "deleted_state_metadata": lambda s: (s / "state" / "_METADATA").unlink(),
+  "deleted_meta": lambda s: (s / "meta" / "metadata").unlink(),
+  "truncated_meta": lambda s: _truncate(s / "meta" / "metadata"),
+  "deleted_format": lambda s: __import__("shutil").rmtree(s / "format"),
+  "emptied_step": lambda s: [__import__("shutil").rmtree(p) for p in s.iterdir() if p.is_dir()],
+}
+
+
+@pytest.mark.parametrize("fault", sorted(_FAULTS))
+def test_damaged_newest_step_is_moved_aside_and_the_previous_one_restored(tmp_path, fault, caplog):
+  ckpt, abstract = _two_steps(tmp_path / "ckpt")
+  _FAULTS[fault](tmp_path / "ckpt" / "2")
+  with pytest.raises(checkpoint_lib.DamagedCheckpointError, match=r"step 2 .* is unreadable"):
+    ckpt.restore(abstract_state=abstract)  # asked for explicitly, a damaged step is an error
+  state, meta, damaged = ckpt.restore_newest_readable(abstract_state=abstract)
+  assert meta == {"step": 1} and damaged == [2]
+  np.testing.assert_array_equal(state["w"], np.full((16, 8), 1.0))
+  assert ckpt.all_steps() == [1]
+  assert (tmp_path / "ckpt.damaged" / "2").is_dir()  # moved, not deleted
+  lines = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+  assert len(lines) == 1 and "\n" not in lines[0] and "ckpt.damaged/2" in lines[0]
+  ckpt.close()
+
+
+def test_no_readable_step_is_one_clear_error(tmp_path):
+  ckpt, abstract = _two_steps(tmp_path / "ckpt")
+  for step in ("1", "2"):
+    (tmp_path / "ckpt" / step / "state" / "manifest.ocdbt").unlink()
+  with pytest.raises(checkpoint_lib.CheckpointError, match=r"no readable checkpoint in .*ckpt"):
+    ckpt.restore_newest_readable(abstract_state=abstract)
+  assert sorted(os.listdir(tmp_path / "ckpt.damaged")) == ["1", "2"]
+
+
+def test_a_changed_state_layout_is_not_damage(tmp_path):
+  ckpt, abstract = _two_steps(tmp_path / "ckpt")
+  one = abstract["w"].sharding
+  wrong = abstract | {"w": jax.ShapeDtypeStruct((16, 9), jnp.float32, sharding=one)}
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError, match=r"w: saved float32\[16, 8\]"):
+    ckpt.restore_newest_readable(abstract_state=wrong)
+  assert ckpt.all_steps() == [1, 2] and not (tmp_path / "ckpt.damaged").exists()
+
+
+def test_check_meta_errors_propagate_and_move_nothing(tmp_path):
+  ckpt, abstract = _two_steps(tmp_path / "ckpt")
+
+  def refuse(step, meta):
+    raise KeyError(f"config of step {step} differs")
+
+  with pytest.raises(KeyError, match="step 2"):
+    ckpt.restore_newest_readable(abstract_state=abstract, check_meta=refuse)
+  assert ckpt.all_steps() == [1, 2]
+
+
+class _FailedWrite:
+  """An orbax commit future whose write fails after a moment, as a full disk does."""
+
+  def __init__(self, directory):
+    self.directory = directory
+
+  def result(self, timeout=None):
+    import errno
+    import time
+
+    time.sleep(0.1)
+    raise OSError(errno.ENOSPC, "No space left on device", str(self.directory))
+
+
+def test_failed_background_write_is_reported_once_and_keeps_the_previous_step(
+  tmp_path, monkeypatch
+):
+  ckpt, abstract = _two_steps(tmp_path / "ckpt")
+  original = checkpoint_lib.ocp.StandardCheckpointHandler.async_save
+
+  async def failing(self, directory, *args, **kwargs):
+    futures = await original(self, directory, *args, **kwargs)
+    return [*(futures or []), _FailedWrite(directory)]
+
+  monkeypatch.setattr(checkpoint_lib.ocp.StandardCheckpointHandler, "async_save", failing)
+  state, _, _ = ckpt.restore_newest_readable(abstract_state=abstract)
+  assert ckpt.save(3, state=state, meta={"step": 3})  # returns at once; the write fails later
+  with pytest.raises(checkpoint_lib.CheckpointWriteError) as e:
+    for _ in range(100):  # check() never blocks: poll until the write has failed
+      ckpt.check()
+      __import__("time").sleep(0.05)
+  message = str(e.value)
+  assert "step 3" in message and "No space left on device" in message and "\n" not in message
+  assert "steps on disk ([1, 2]) are intact" in message
+  ckpt.check()  # once: not raised again by check, wait or close
+  ckpt.wait()
+  ckpt.close()
+  monkeypatch.undo()
+  reopened = checkpoint_lib.Checkpointer(tmp_path / "ckpt", save_every=1, keep=3)
+  assert reopened.restore_newest_readable(abstract_state=abstract)[1:] == ({"step": 2}, [])
+  reopened.close()
