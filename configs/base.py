@@ -151,4 +151,5 @@ def get_config() -> ml_collections.ConfigDict:
   tr.checkpoint_every = 20  # checkpoint every N steps (and at the end and on SIGTERM)
   tr.keep_checkpoints = 2  # checkpoints kept
   tr.log_every = 1  # metrics every N steps
+  tr.max_nonfinite_steps = 10  # stop, saving the last good state, after N skipped steps in a row
   return c

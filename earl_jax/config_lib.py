@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 import warnings
@@ -193,7 +194,12 @@ class SamplerConfig:
   eval_strategy: str = "greedy"  # evaluation games: same choices
 
   def __post_init__(self):
-    self.make()
+    try:
+      self.make()
+    except ConfigError as e:  # the strategies name their own fields (p, k); name the config's
+      raise ConfigError(
+        {"p": "top_p", "k": "top_k"}.get(e.key, e.key), e.value, e.allowed
+      ) from None
     if self.eval_strategy not in ("greedy", "temperature", "top_k", "top_p"):
       raise ConfigError("eval_strategy", self.eval_strategy, "greedy | temperature | top_k | top_p")
 
@@ -292,9 +298,19 @@ class TrainConfig:
   checkpoint_every: int = 20  # save every N steps (and on SIGTERM and at the end)
   keep_checkpoints: int = 2  # keep the last K checkpoints
   log_every: int = 1  # write metrics every N steps
+  # Stop (after saving the last good state) when this many optimiser steps in a row had
+  # non-finite gradients and were skipped; each skip is counted in metrics either way.
+  max_nonfinite_steps: int = 10
 
   def __post_init__(self):
-    for key in ("num_steps", "eval_episodes", "checkpoint_every", "keep_checkpoints", "log_every"):
+    for key in (
+      "num_steps",
+      "eval_episodes",
+      "checkpoint_every",
+      "keep_checkpoints",
+      "log_every",
+      "max_nonfinite_steps",
+    ):
       _require(getattr(self, key) >= 1, key, getattr(self, key), "a positive int")
     _require(self.eval_every >= 0, "eval_every", self.eval_every, "an int >= 0 (0 = never)")
     kinds = [k.value for k in games_env.OpponentKind]
@@ -439,12 +455,75 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
   if hint is float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(path, value, "a float")
+    if not math.isfinite(value):
+      raise ConfigError(path, value, "a finite float")
     return float(value)
   if hint is str:
     if not isinstance(value, str):
       raise ConfigError(path, value, "a string")
     return value
   raise TypeError(f"config_lib cannot convert {path} of type {hint}")  # a bug in a dataclass
+
+
+# Keys a resumed run may change without changing the experiment: its length, cadences, where files
+# are read from, and how the work is laid out on the devices (a checkpoint restores onto any
+# layout). Every other key (model, optimiser, RL, environment, sampler, rollout, seed) defines the
+# experiment, and changing one on resume needs --allow_config_change.
+RUN_ONLY_KEYS: tuple[str, ...] = (
+  "train.num_steps",
+  "train.eval_every",
+  "train.eval_episodes",
+  "train.eval_opponents",
+  "train.checkpoint_every",
+  "train.keep_checkpoints",
+  "train.log_every",
+  "train.max_nonfinite_steps",
+  "pretrained_path",
+  "tokenizer.path",
+  "parallel",
+)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if isinstance(tree, Mapping):
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+      out.update(_flat(value, _join(prefix, str(key))))
+    return out
+  return {prefix: list(tree) if isinstance(tree, tuple | list) else tree}
+
+
+class ConfigChangedError(ConfigError):
+  """A resume whose config changes the experiment saved in the checkpoint."""
+
+  def __init__(self, step: int, directory: Any, changes: list[str]):
+    self.step, self.changes = step, changes
+    ValueError.__init__(
+      self,
+      f"the config differs from the one checkpoint step {step} in {directory} was trained with: "
+      + "; ".join(changes)
+      + ". Restore those values, use another workdir, or pass --allow_config_change",
+    )
+    self.key, self.value, self.allowed = changes[0].split(":")[0], None, "the saved value"
+
+
+def config_changes(saved: Mapping[str, Any], new: ExperimentConfig) -> tuple[list[str], list[str]]:
+  """The differences of a run's saved config (``to_dict`` form, e.g. read back from JSON) and
+  ``new``, as ``(experiment_changes, run_only_changes)``, each a list of "key: old -> new".
+
+  A key the saved config lacks (written before the key existed) counts as its default value.
+  """
+  before = _flat(to_dict(ExperimentConfig())) | _flat(saved)
+  after = _flat(to_dict(new))
+  experiment, run_only = [], []
+  for key in sorted(set(before) | set(after)):
+    old, value = before.get(key, "<absent>"), after.get(key, "<absent>")
+    if old == value:
+      continue
+    line = f"{key}: {old!r} -> {value!r}"
+    is_run_only = any(key == k or key.startswith(k + ".") for k in RUN_ONLY_KEYS)
+    (run_only if is_run_only else experiment).append(line)
+  return experiment, run_only
 
 
 def to_dict(config: Any) -> Any:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on EVERY worker of a TPU VM pod slice, e.g.:
 #   gcloud compute tpus tpu-vm ssh $TPU --zone $ZONE --worker=all \
-#     --command="cd earl_jax && bash launch/tpu_pod.sh configs/connect_four_qwen2_5_72b.py gs://b/run"
+#     --command="cd earl_jax && bash launch/tpu_pod.sh configs/connect_four_qwen2_5_72b.py /mnt/gcs/run"
 # jax.distributed.initialize() discovers the pod's coordinator and process ids by itself on TPU VMs.
 set -euo pipefail
 config=${1:?usage: tpu_pod.sh <config.py> <workdir> [--config.x=y ...]}

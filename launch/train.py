@@ -41,20 +41,44 @@ from ml_collections import config_flags  # noqa: E402
 from earl_jax import config_lib  # noqa: E402
 
 
+def _fail(message: str) -> None:
+  """One line on stderr and exit status 2: no traceback, no flag help."""
+  sys.exit(f"earl_jax: {' '.join(message.split())}")
+
+
+def _load_config_file(path: str):
+  """The ConfigDict of a config file, or a one-line exit naming what is wrong with the file."""
+  if not os.path.isfile(path):
+    _fail(f"--config: no config file at {path!r}")
+  spec = importlib.util.spec_from_file_location("_earl_config", path)
+  if spec is None or spec.loader is None:
+    _fail(f"--config: {path!r} is not a Python file")
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # a broken file: name it and the first problem
+    _fail(f"--config: {path} cannot be imported: {type(e).__name__}: {e}")
+  if not callable(getattr(module, "get_config", None)):
+    _fail(f"--config: {path} defines no get_config() (it must return an ml_collections.ConfigDict)")
+  try:
+    config = module.get_config()
+  except Exception as e:
+    _fail(f"--config: {path}: get_config() raised {type(e).__name__}: {e}")
+  if not hasattr(config, "keys"):
+    _fail(f"--config: {path}: get_config() returned a {type(config).__name__}, not a ConfigDict")
+  return config
+
+
 def _check_overrides(argv: list[str]) -> None:
-  """Names an unknown ``--config.<key>`` override clearly (config_flags only says KeyError)."""
+  """Loads the config file and names an unknown ``--config.<key>`` override clearly
+  (config_flags only says KeyError, and prints a traceback for a broken file)."""
   path = str(_REPO / "configs" / "connect_four_tiny.py")
   for i, arg in enumerate(argv[1:], start=1):
     if arg.startswith("--config="):
       path = arg.split("=", 1)[1].split(":", 1)[0]
     elif arg == "--config" and i + 1 < len(argv):
       path = argv[i + 1].split(":", 1)[0]
-  spec = importlib.util.spec_from_file_location("_earl_config", path)
-  if spec is None or spec.loader is None or not os.path.isfile(path):
-    sys.exit(f"--config: no config file at {path!r}")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = _load_config_file(path)
   for arg in argv[1:]:
     if not arg.startswith("--config."):
       continue
@@ -63,7 +87,7 @@ def _check_overrides(argv: list[str]) -> None:
       if not hasattr(node, "keys") or key not in node:
         known = sorted(node.keys()) if hasattr(node, "keys") else []
         where = ".".join(walked) or "<root>"
-        sys.exit(f"{arg}: unknown config key {key!r} under {where!r}; known keys: {known}")
+        _fail(f"{arg}: unknown config key {key!r} under {where!r}; known keys: {known}")
       node, walked = node[key], [*walked, key]
 
 
@@ -80,32 +104,61 @@ _WORKDIR = flags.DEFINE_string(
   "workdir", "", "Checkpoints, metrics and profiles; default runs/<config file name>."
 )
 flags.DEFINE_integer("cpu_devices", 8, "Simulated devices when JAX runs on the CPU.")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+  "allow_config_change",
+  False,
+  "Resume even if keys that define the experiment (model, optimiser, RL, env, seed...) differ "
+  "from the checkpoint's config; run-only keys (num_steps, cadences, paths, layouts) may always "
+  "change.",
+)
 _MULTIHOST = flags.DEFINE_bool(
   "multihost", False, "Call jax.distributed.initialize() (one process per host or per GPU)."
+)
+_PEER_TIMEOUT = flags.DEFINE_float(
+  "peer_timeout_s",
+  30.0,
+  "--multihost: seconds without a heartbeat after which a peer counts as lost and this process "
+  "exits (status 75) instead of waiting in a collective.",
 )
 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _fail(f"unexpected arguments: {argv[1:]}; flags are --name=value")
   try:
     cfg = config_lib.from_config_dict(_CONFIG.value)
   except config_lib.ConfigError as e:
-    # A bad config fails here, before any device is touched.
-    raise app.UsageError(str(e)) from None
+    _fail(str(e))  # a bad value fails here, before any device is touched
   import jax  # after the flags: XLA_FLAGS above must be in place first
+
+  from earl_jax import checkpoint, distributed
+  from earl_jax import workdir as workdir_lib
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
   from earl_jax.rl import loop
 
   if _MULTIHOST.value:
-    jax.distributed.initialize()  # reads the cluster from the environment (SLURM, TPU pods)
+    # Reads the cluster from the environment (SLURM, TPU pods); a lost peer ends this process
+    # within --peer_timeout_s with one line and exit status 75.
+    distributed.initialize(peer_timeout_s=_PEER_TIMEOUT.value)
   config_file = pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"]))
   workdir = _WORKDIR.value or str(_REPO / "runs" / config_file.stem)
   print(f"config {config_file.name}: {cfg.model.num_params:,} parameters; workdir {workdir}")
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
-  rows = loop.run(cfg, workdir)
+  try:
+    rows = loop.run(cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+  except (
+    config_lib.ConfigError,
+    workdir_lib.WorkdirError,
+    checkpoint.CheckpointError,
+    loop.NonFiniteError,
+  ) as e:
+    _fail(str(e))
+  except OSError as e:  # the file system under the workdir (full, read-only, gone)
+    _fail(f"{type(e).__name__}: {e}")
+  if _MULTIHOST.value:
+    distributed.shutdown()  # tells the peers this process ended on purpose
   evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
   if evals:
     last = evals[-1]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import json
 import pathlib
 import subprocess
 import sys
@@ -124,3 +125,40 @@ def test_launch_rejects_impossible_value():
   proc = _train("--config.model.num_kv_heads=3")
   assert proc.returncode != 0
   assert "model.num_kv_heads" in proc.stderr and "divisor of num_heads" in proc.stderr
+
+
+def test_non_finite_floats_are_rejected_with_their_key():
+  for value in (float("inf"), float("-inf"), float("nan")):
+    with pytest.raises(config_lib.ConfigError, match=r"'sampler.temperature' .* a finite float"):
+      config_lib.from_config_dict({"sampler": {"temperature": value}})
+
+
+def test_sampler_errors_name_the_config_key():
+  with pytest.raises(config_lib.ConfigError, match=r"'sampler.top_p' has value 2.0"):
+    config_lib.from_config_dict({"sampler": {"strategy": "top_p", "top_p": 2.0}})
+  with pytest.raises(config_lib.ConfigError, match=r"'sampler.top_k' has value 0"):
+    config_lib.from_config_dict({"sampler": {"strategy": "top_k", "top_k": 0}})
+
+
+def test_config_changes_split_experiment_from_run_only_keys():
+  base = config_lib.ExperimentConfig()
+  saved = json.loads(json.dumps(config_lib.to_dict(base)))  # as read back from a checkpoint
+  assert config_lib.config_changes(saved, base) == ([], [])
+  new = config_lib.from_config_dict(
+    {
+      "seed": 3,
+      "optim": {"learning_rate": 1e-4},
+      "train": {"num_steps": 7, "eval_opponents": ("random", "mcts")},
+      "parallel": {"update_layout": {"fsdp": 2}},
+    }
+  )
+  experiment, run_only = config_lib.config_changes(saved, new)
+  assert experiment == ["optim.learning_rate: 1e-05 -> 0.0001", "seed: 0 -> 3"]
+  assert run_only == [
+    "parallel.update_layout.fsdp: 1 -> 2",
+    "train.eval_opponents: ['random'] -> ['random', 'mcts']",
+    "train.num_steps: 100 -> 7",
+  ]
+  # A checkpoint written before a key existed: the key counts as its default.
+  older = {k: v for k, v in saved.items() if k != "seed"}
+  assert config_lib.config_changes(older, base) == ([], [])

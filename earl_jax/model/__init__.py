@@ -1,6 +1,11 @@
 """earl_jax.model: the Llama/Qwen2-family policy decoder, its KV cache and HF checkpoint import."""
 
-from earl_jax.model.hf_import import CheckpointError, from_pretrained, model_config_from_hf
+from earl_jax.model.hf_import import (
+  CheckpointError,
+  from_pretrained,
+  model_config_from_hf,
+  read_config,
+)
 from earl_jax.model.kv_cache import (
   CACHE_END_AXES,
   CACHE_KV_AXES,
@@ -38,4 +43,5 @@ __all__ = [
   "make_tokenizer",
   "model_config_from_hf",
   "prefill",
+  "read_config",
 ]

@@ -334,6 +334,27 @@ def load_weights(ckpt_dir: str, cfg: ModelConfig) -> Decoder:
   return nnx.merge(graphdef, state)
 
 
+def read_config(path: str, settings: ModelConfig | None = None) -> tuple[ModelConfig, str]:
+  """(ModelConfig, checkpoint directory) of a HF checkpoint, reading no weights: config.json is
+  parsed and checked against ``settings``, and the weight files it needs are checked to exist."""
+  ckpt_dir = resolve_checkpoint_dir(path)
+  config_path = os.path.join(ckpt_dir, "config.json")
+  if not os.path.exists(config_path):
+    raise CheckpointError(f"{ckpt_dir} has no config.json")
+  try:
+    with open(config_path) as fp:
+      hf = json.load(fp)
+  except ValueError as e:
+    raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+  cfg = model_config_from_hf(hf, settings)
+  if settings is not None:
+    check_architecture(settings, cfg, ckpt_dir)
+  missing = sorted({f for f in _weight_files(ckpt_dir).values() if not os.path.exists(f)})
+  if missing:
+    raise CheckpointError(f"{ckpt_dir}: weight files named by the index are missing: {missing}")
+  return cfg, ckpt_dir
+
+
 def from_pretrained(path: str, settings: ModelConfig | None = None) -> tuple[ModelConfig, Decoder]:
   """(ModelConfig, Decoder) of a HF checkpoint: a local directory or a hub repo id.
 
@@ -341,13 +362,5 @@ def from_pretrained(path: str, settings: ModelConfig | None = None) -> tuple[Mod
   in its ``param_dtype`` (a bf16 checkpoint loaded as float32 is upcast exactly) and computed in
   its ``compute_dtype``, independently.
   """
-  ckpt_dir = resolve_checkpoint_dir(path)
-  config_path = os.path.join(ckpt_dir, "config.json")
-  if not os.path.exists(config_path):
-    raise CheckpointError(f"{ckpt_dir} has no config.json")
-  with open(config_path) as fp:
-    hf = json.load(fp)
-  cfg = model_config_from_hf(hf, settings)
-  if settings is not None:
-    check_architecture(settings, cfg, ckpt_dir)
+  cfg, ckpt_dir = read_config(path, settings)
   return cfg, load_weights(ckpt_dir, cfg)

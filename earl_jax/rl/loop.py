@@ -13,6 +13,7 @@ Resume is exact: every random choice of step k (sampling key, environment seeds)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -31,10 +32,19 @@ from earl_jax import checkpoint as checkpoint_lib
 from earl_jax import config_lib
 from earl_jax import metrics as metrics_lib
 from earl_jax import model as model_lib
+from earl_jax import types as types_lib
+from earl_jax import workdir as workdir_lib
+from earl_jax.model import hf_import
 from earl_jax.parallel import dispatcher, executables
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel import selector as selector_lib
-from earl_jax.parallel.plan import ParallelPlan, StagePlan, make_stage_plan, validate_for_model
+from earl_jax.parallel.plan import (
+  ParallelPlan,
+  ShardingError,
+  StagePlan,
+  make_stage_plan,
+  validate_for_model,
+)
 from earl_jax.rl import advantage, batches, loop_stats, objective, rollout, turn_format, update
 from earl_jax.sampler import engine
 from earl_jax.types import Stage
@@ -48,25 +58,77 @@ def make_plans(
   devices: Sequence[jax.Device],
   model_cfg: config_lib.ModelConfig | None = None,
 ) -> ParallelPlan:
-  """The fixed per-stage layouts of ``cfg.parallel`` over ``devices``, validated for the model."""
+  """The fixed per-stage layouts of ``cfg.parallel`` over ``devices``, validated for the model;
+  a layout that does not fit raises ConfigError naming its config key."""
   model_cfg = model_cfg or cfg.model
   ids = [d.id for d in devices]
   plans = {}
   for stage in Stage:
     lay = cfg.parallel.layout(stage.value)
-    plan = make_stage_plan(
-      stage,
-      ids,
-      lay.data,
-      lay.fsdp,
-      lay.tensor,
-      micro_batch_size=lay.micro_batch_size,
-      remat=lay.remat,
-    )
-    batch = cfg.rollout.num_slots if stage is Stage.ROLLOUT else cfg.rl.batch_size
-    validate_for_model(plan, model_cfg, batch)
+    try:
+      plan = make_stage_plan(
+        stage,
+        ids,
+        lay.data,
+        lay.fsdp,
+        lay.tensor,
+        micro_batch_size=lay.micro_batch_size,
+        remat=lay.remat,
+      )
+      batch = cfg.rollout.num_slots if stage is Stage.ROLLOUT else cfg.rl.batch_size
+      validate_for_model(plan, model_cfg, batch)
+    except ShardingError as e:  # fail closed, naming the layout key
+      raise config_lib.ConfigError(
+        f"{_layout_key(stage)} (data, fsdp, tensor)", (lay.data, lay.fsdp, lay.tensor), f"{e}"
+      ) from None
     plans[stage] = plan
   return ParallelPlan.of(plans)
+
+
+def _layout_key(stage: Stage) -> str:
+  return f"parallel.{stage.value}_layout"
+
+
+def _check_plans(cfg: config_lib.ExperimentConfig, devices, model_cfg) -> ParallelPlan:
+  """``make_plans``, with every layout problem raised as a ConfigError naming the layout key:
+  mesh axes vs the device count and the model's dimensions, and the batch, mini-batch and
+  micro-batch vs each stage's batch shards."""
+  plans = make_plans(cfg, devices, model_cfg)
+  upd = plans[Stage.UPDATE]
+  shards = upd.shards_for(types_lib.BATCH)
+  mini = cfg.rl.batch_size // cfg.rl.mini_batches
+  if mini % shards:
+    raise config_lib.ConfigError(
+      "rl.mini_batches",
+      cfg.rl.mini_batches,
+      f"a value whose mini-batch (batch {cfg.rl.batch_size} / mini_batches = {mini}) divides "
+      f"over the update layout's {shards} batch shards",
+    )
+  micro = upd.micro_batch_size
+  if micro and micro % shards:
+    raise config_lib.ConfigError(
+      f"{_layout_key(Stage.UPDATE)}.micro_batch_size",
+      micro,
+      f"0 or a multiple of the update layout's {shards} batch shards that divides the "
+      f"mini-batch {mini}",
+    )
+  return plans
+
+
+def _reading(key: str, what: str):
+  """Turns any failure of reading a file a config key names into a one-line ConfigError."""
+
+  @contextlib.contextmanager
+  def ctx():
+    try:
+      yield
+    except config_lib.ConfigError:
+      raise
+    except Exception as e:
+      cause = " ".join(f"{type(e).__name__}: {e}".split())[:400]
+      raise config_lib.ConfigError(key, what, f"a readable path ({cause})") from None
+
+  return ctx()
 
 
 def _turn_format(tokenizer: model_lib.Tokenizer):
@@ -210,32 +272,42 @@ def _batch_shardings(plan: StagePlan, batch: Any) -> Any:
 class Trainer:
   """Holds the run's state; ``run()`` trains from the last checkpoint (if any) to the end."""
 
-  def __init__(self, cfg: config_lib.ExperimentConfig, workdir: str | pathlib.Path):
+  def __init__(
+    self,
+    cfg: config_lib.ExperimentConfig,
+    workdir: str | pathlib.Path,
+    *,
+    allow_config_change: bool = False,
+  ):
+    """Checks everything that can be checked without devices (workdir writable and free, device
+    count, tokenizer and pretrained files, layouts vs the model and batches, the config against
+    the checkpoint a resume would read), then builds the model on the devices.
+
+    Raises (before any device work): ConfigError, WorkdirError, CheckpointError.
+    """
     self.cfg = cfg
-    self.workdir = pathlib.Path(workdir)
-    self.workdir.mkdir(parents=True, exist_ok=True)
-    n = cfg.parallel.num_devices or jax.device_count()
-    if n > jax.device_count():
-      raise config_lib.ConfigError("parallel.num_devices", n, f"<= {jax.device_count()} devices")
-    self.devices = jax.devices()[:n]
-    self.tokenizer = model_lib.make_tokenizer(cfg.tokenizer)
-    self.model_cfg, self._pretrained = cfg.model, None
-    if cfg.pretrained_path:  # the checkpoint's config.json decides the architecture
-      # Read on the host, then laid out on the update plan (direct sharded loading: follow-up).
-      self.model_cfg, self._pretrained = model_lib.from_pretrained(cfg.pretrained_path, cfg.model)
+    self.allow_config_change = allow_config_change
+    self.workdir = workdir_lib.check_writable(workdir)
+    self._lock = workdir_lib.WorkdirLock(self.workdir, jax.process_index()).acquire()
+    self.checkpointer = None
+    self._config_checked: set[int] = set()
+    try:
+      self._preflight()
+      self._build()
+    except BaseException:
+      self.close()  # the workdir is free again for the corrected run
+      raise
+
+  def _build(self) -> None:
+    """The device work of ``__init__``: the model, optimiser and reference on their layouts."""
+    cfg = self.cfg
+    if self.model_cfg is not cfg.model:
       logging.info(
         "model: architecture from %s; param_dtype=%s, compute_dtype=%s from the config",
         cfg.pretrained_path,
         self.model_cfg.param_dtype.value,
         self.model_cfg.compute_dtype.value,
       )
-    if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
-      raise config_lib.ConfigError(
-        "model.vocab_size",
-        self.model_cfg.vocab_size,
-        f">= the tokenizer's {self.tokenizer.vocab_size}",
-      )
-    self.plans = make_plans(cfg, self.devices, self.model_cfg)
     self.fmt = _turn_format(self.tokenizer)
     self.optimizer = update.make_optimizer(cfg.optim)
     self._init_state()
@@ -268,12 +340,74 @@ class Trainer:
       )
     )
 
+  def _preflight(self) -> None:
+    cfg = self.cfg
+    n = cfg.parallel.num_devices or jax.device_count()
+    if n > jax.device_count():
+      raise config_lib.ConfigError("parallel.num_devices", n, f"<= {jax.device_count()} devices")
+    self.devices = jax.devices()[:n]
+    with _reading("tokenizer.path", cfg.tokenizer.path):
+      self.tokenizer = model_lib.make_tokenizer(cfg.tokenizer)
+    self.model_cfg = cfg.model
+    if cfg.pretrained_path:  # the checkpoint's config.json decides the architecture
+      with _reading("pretrained_path", cfg.pretrained_path):
+        self.model_cfg, self._pretrained_dir = model_lib.read_config(cfg.pretrained_path, cfg.model)
+    if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+      raise config_lib.ConfigError(
+        "model.vocab_size",
+        self.model_cfg.vocab_size,
+        f">= the tokenizer's {self.tokenizer.vocab_size}",
+      )
+    self.plans = _check_plans(cfg, self.devices, self.model_cfg)
+    self.checkpointer = checkpoint_lib.Checkpointer(
+      self.workdir / "checkpoints",
+      save_every=cfg.train.checkpoint_every,
+      keep=cfg.train.keep_checkpoints,
+    )
+    self._check_resume_config()
+
+  def _check_resume_config(self) -> None:
+    """Compares the config with the newest checkpoint whose meta reads (the one resume starts
+    from, unless its arrays turn out damaged: restore checks each candidate again)."""
+    for step in reversed(self.checkpointer.all_steps()):
+      try:
+        meta = self.checkpointer.read_meta(step)
+      except checkpoint_lib.DamagedCheckpointError:
+        continue
+      self._compare_config(step, meta)
+      return
+
+  def _compare_config(self, step: int, meta: dict[str, Any]) -> None:
+    saved = meta.get("config")
+    if saved is None or step in self._config_checked:
+      return
+    self._config_checked.add(step)
+    experiment, run_only = config_lib.config_changes(saved, self.cfg)
+    if run_only:
+      logging.warning("resuming step %d with changed run settings: %s", step, "; ".join(run_only))
+    if experiment and not self.allow_config_change:
+      raise config_lib.ConfigChangedError(step, self.checkpointer.directory, experiment)
+    if experiment:
+      logging.warning(
+        "resuming step %d with a changed experiment (allowed): %s", step, "; ".join(experiment)
+      )
+
+  def close(self) -> None:
+    """Waits for checkpoint writes and releases the workdir (``run`` does this when it ends)."""
+    try:
+      if getattr(self, "checkpointer", None) is not None:
+        self.checkpointer.close()
+        self.checkpointer = None
+    finally:
+      self._lock.release()
+
   def _init_state(self) -> None:
     cfg, plan = self.cfg, self.plans[Stage.UPDATE]
-    if self._pretrained is not None:
-      graphdef, params = nnx.split(self._pretrained)
+    if cfg.pretrained_path:
+      # Read on the host, then laid out on the update plan (direct sharded loading: follow-up).
+      pretrained = hf_import.load_weights(self._pretrained_dir, self.model_cfg)
+      graphdef, params = nnx.split(pretrained)
       model = nnx.merge(graphdef, jax.device_put(params, mesh_lib.state_shardings(params, plan)))
-      self._pretrained = None
     else:
       init = lambda: model_lib.Decoder(self.model_cfg, rngs=nnx.Rngs(cfg.seed))  # noqa: E731
       model = mesh_lib.create_sharded(init, plan)
@@ -451,7 +585,9 @@ class Trainer:
     return {"train": self.state, "reference": self.ref_params}
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer, resume: str = "auto") -> None:
-    """``resume``: "auto" (the latest checkpoint if any), "required" (error if none), "never"."""
+    """``resume``: "auto" (the newest readable checkpoint if any), "required" (error if none),
+    "never". Unreadable newer steps are reported, moved aside and skipped; each candidate's saved
+    config is compared with this run's first (``ConfigChangedError``)."""
     if resume not in ("auto", "required", "never"):
       raise ValueError(f"resume={resume!r}; allowed: 'auto', 'required', 'never'")
     if resume == "never":
@@ -463,62 +599,116 @@ class Trainer:
     abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.checkpoint_state()
     )
-    restored, meta = ckpt.restore(abstract_state=abstract)
+    restored, meta, damaged = ckpt.restore_newest_readable(
+      abstract_state=abstract, check_meta=self._compare_config
+    )
     self.state, self.ref_params = restored["train"], restored["reference"]
     self.start_step = int(meta["step"]) + 1
+    if damaged:
+      logging.warning(
+        "resumed from step %d: newer steps %s were unreadable and moved to %s",
+        meta["step"],
+        damaged,
+        ckpt.damaged_directory,
+      )
     logging.info("resumed from step %d (%s)", meta["step"], ckpt.directory)
 
   def run(self, resume: str = "auto") -> list[dict[str, Any]]:
-    """Trains to ``cfg.train.num_steps``; returns the metrics rows written by this call."""
+    """Trains to ``cfg.train.num_steps``; returns the metrics rows written by this call.
+
+    Ends the run (checkpoint writes finished, workdir released) however it stops. Stops early,
+    after saving, on SIGTERM to any process (all processes agree on the step) and when
+    ``train.max_nonfinite_steps`` optimiser steps in a row were skipped (``NonFiniteError``).
+    """
     cfg = self.cfg
-    ckpt = self.checkpointer = checkpoint_lib.Checkpointer(
-      self.workdir / "checkpoints",
-      save_every=cfg.train.checkpoint_every,
-      keep=cfg.train.keep_checkpoints,
-    )
-    self.restore(ckpt, resume)
-    uninstall = checkpoint_lib.install_preemption_handler()
-    # One metrics stream per process: process 0 writes the workdir's, others their own folder.
-    pid = jax.process_index()
-    metrics_dir = self.workdir if pid == 0 else self.workdir / f"process_{pid}"
-    writer = metrics_lib.MetricsWriter(
-      metrics_dir, config=config_lib.to_dict(cfg), resume_step=self.start_step - 1
-    )
+    if self.checkpointer is None:  # run() again after an earlier run() ended
+      self._lock.acquire()
+      self.checkpointer = checkpoint_lib.Checkpointer(
+        self.workdir / "checkpoints",
+        save_every=cfg.train.checkpoint_every,
+        keep=cfg.train.keep_checkpoints,
+      )
+    ckpt = self.checkpointer
+    writer, uninstall = None, lambda: None
+    try:
+      self.restore(ckpt, resume)
+      uninstall = checkpoint_lib.install_preemption_handler()
+      # One metrics stream per process: process 0 writes the workdir's, others their own folder.
+      pid = jax.process_index()
+      metrics_dir = self.workdir if pid == 0 else self.workdir / f"process_{pid}"
+      writer = metrics_lib.MetricsWriter(
+        metrics_dir, config=config_lib.to_dict(cfg), resume_step=self.start_step - 1
+      )
+      return self._train(ckpt, writer)
+    finally:
+      if writer is not None:
+        writer.close()
+      uninstall()
+      self.close()
+
+  def _train(self, ckpt: checkpoint_lib.Checkpointer, writer: metrics_lib.MetricsWriter):
+    cfg = self.cfg
     writer.write_event(self.start_step, "plan", {"plan": self.plans.describe()})
     if self.selector is not None:
       self.selector.metrics = writer  # every decision goes to events.jsonl
     progress = metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step)
     rows, timer = [], metrics_lib.StageTimer()
-    try:
-      for step in range(self.start_step, cfg.train.num_steps):
-        start = time.perf_counter()
-        scalars = self.train_step(step, timer)
-        last = step == cfg.train.num_steps - 1
-        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-          with timer("eval"):
-            scalars.update(self.evaluate(step))
-        scalars.update(timer.summary(reset=True))
-        scalars["time/step"] = time.perf_counter() - start
-        scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
-        scalars["compilations"] = self.programs.cache.compilations
-        if step % cfg.train.log_every == 0 or last or "eval/" in "".join(scalars):
-          writer.write(step, scalars)
-          rows.append({"step": step, **scalars})
-        progress.update(step + 1, scalars)
-        meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
-        stop = checkpoint_lib.preempted()
-        ckpt.save(step, state=self.checkpoint_state(), meta=meta, force=last or stop)
-        if stop:
-          logging.warning("SIGTERM: saved step %d, exiting", step)
-          break
-    finally:
-      ckpt.wait()
-      ckpt.close()
-      writer.close()
-      uninstall()
+    for step in range(self.start_step, cfg.train.num_steps):
+      ckpt.check()  # a failed background write stops the run here, once, with its cause
+      start = time.perf_counter()
+      scalars = self.train_step(step, timer)
+      last = step == cfg.train.num_steps - 1
+      if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+        with timer("eval"):
+          scalars.update(self.evaluate(step))
+      scalars.update(timer.summary(reset=True))
+      scalars["time/step"] = time.perf_counter() - start
+      scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
+      scalars["compilations"] = self.programs.cache.compilations
+      streak = int(scalars.get("update/nonfinite_streak", 0))
+      diverged = streak >= cfg.train.max_nonfinite_steps
+      if step % cfg.train.log_every == 0 or last or diverged or "eval/" in "".join(scalars):
+        writer.write(step, scalars)
+        rows.append({"step": step, **scalars})
+      progress.update(step + 1, scalars)
+      meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
+      stop = _any_process(checkpoint_lib.preempted())
+      # Skipped updates leave the weights and moments as they were: this is the last good state.
+      ckpt.save(step, state=self.checkpoint_state(), meta=meta, force=last or stop or diverged)
+      if diverged:
+        ckpt.wait()
+        raise NonFiniteError(
+          f"the last {streak} optimiser steps had non-finite gradients and were skipped "
+          f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}; loss "
+          f"{scalars.get('update/loss')}); the last good state is checkpoint step {step} in "
+          f"{ckpt.directory}. Lower optim.learning_rate or check the rewards, then resume with "
+          "--allow_config_change"
+        )
+      if stop:
+        ckpt.wait()
+        logging.warning("SIGTERM: saved step %d, exiting", step)
+        break
+    progress.close()
     return rows
 
 
-def run(cfg: config_lib.ExperimentConfig, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
+class NonFiniteError(RuntimeError):
+  """Training stopped: too many optimiser steps in a row had non-finite gradients."""
+
+
+def _any_process(flag: bool) -> bool:
+  """True if ``flag`` is set on any process (a small all-gather; every process must call it at
+  the same point, as the loop does once per step)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def run(
+  cfg: config_lib.ExperimentConfig,
+  workdir: str | pathlib.Path,
+  *,
+  allow_config_change: bool = False,
+) -> list[dict[str, Any]]:
   """Builds a Trainer for ``cfg`` and trains; the entry point of ``launch/train.py``."""
-  return Trainer(cfg, workdir).run()
+  return Trainer(cfg, workdir, allow_config_change=allow_config_change).run()

@@ -97,7 +97,7 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     )
   )
   # A very large limit: after that many consecutive bad steps optax would apply the bad update;
-  # the training loop stops long before (it watches skipped_updates).
+  # the training loop stops long before, at train.max_nonfinite_steps (it reads nonfinite_streak).
   return optax.apply_if_finite(optax.chain(*chain), max_consecutive_errors=2**30)
 
 
@@ -191,19 +191,20 @@ def _optimizer_step(graphdef, state, batch, loss_fn, totals_fn, optimizer, num_m
     loss=loss,
     grad_norm=optax.tree.norm(grads),
     skipped_updates=opt_state.total_notfinite.astype(jnp.float32),
+    nonfinite_streak=opt_state.notfinite_count.astype(jnp.float32),
   )
   return new_state, out
 
 
 def _summarize(metrics_NxK: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Per-step metrics [N] -> one value: mean, max/min for *_max/*_min, last skip count."""
+  """Per-step metrics [N] -> one value: mean, max/min for *_max/*_min, last value of counters."""
   out = {}
   for k, v in metrics_NxK.items():
     if k.endswith("_max"):
       out[k] = jnp.max(v)
     elif k.endswith("_min"):
       out[k] = jnp.min(v)
-    elif k == "skipped_updates":
+    elif k in ("skipped_updates", "nonfinite_streak"):  # counters: the value after the last step
       out[k] = v[-1]
     else:
       out[k] = jnp.mean(v)
