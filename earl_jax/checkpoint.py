@@ -31,6 +31,7 @@ import logging as py_logging
 import pathlib
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -132,6 +133,28 @@ class _OrbaxErrorsInOneLine(py_logging.Filter):
 _ORBAX_FILTER = _OrbaxErrorsInOneLine()
 
 
+def _drop_late_io_callbacks(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+  """An unraisable hook that drops "Event loop is closed" from tensorstore reads and writes that
+  finish after the orbax operation they belonged to failed and closed its event loop (one
+  traceback per pending chunk, hundreds on a full disk); the failure itself is reported by the
+  CheckpointWriteError / DamagedCheckpointError raised for that operation."""
+
+  def hook(unraisable: Any) -> None:
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook._earl_jax = True  # type: ignore[attr-defined]
+  return hook
+
+
+def _install_hooks() -> None:
+  logging.get_absl_logger().addFilter(_ORBAX_FILTER)  # a filter is added once
+  if not getattr(sys.unraisablehook, "_earl_jax", False):
+    sys.unraisablehook = _drop_late_io_callbacks(sys.unraisablehook)
+
+
 class Checkpointer:
   """Saves every ``save_every`` steps (or when forced), keeps the last ``keep``, restores anywhere.
 
@@ -170,7 +193,7 @@ class Checkpointer:
       "format": ocp.JsonCheckpointHandler(),
     }
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
-    logging.get_absl_logger().addFilter(_ORBAX_FILTER)  # idempotent: a filter is added once
+    _install_hooks()
     self._writing: int | None = None  # the step of the last save started
     self._write_failed = False  # a write error was raised once; later waits do not repeat it
 

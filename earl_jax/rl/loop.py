@@ -653,42 +653,44 @@ class Trainer:
       self.selector.metrics = writer  # every decision goes to events.jsonl
     progress = metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step)
     rows, timer = [], metrics_lib.StageTimer()
-    for step in range(self.start_step, cfg.train.num_steps):
-      ckpt.check()  # a failed background write stops the run here, once, with its cause
-      start = time.perf_counter()
-      scalars = self.train_step(step, timer)
-      last = step == cfg.train.num_steps - 1
-      if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-        with timer("eval"):
-          scalars.update(self.evaluate(step))
-      scalars.update(timer.summary(reset=True))
-      scalars["time/step"] = time.perf_counter() - start
-      scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
-      scalars["compilations"] = self.programs.cache.compilations
-      streak = int(scalars.get("update/nonfinite_streak", 0))
-      diverged = streak >= cfg.train.max_nonfinite_steps
-      if step % cfg.train.log_every == 0 or last or diverged or "eval/" in "".join(scalars):
-        writer.write(step, scalars)
-        rows.append({"step": step, **scalars})
-      progress.update(step + 1, scalars)
-      meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
-      stop = _any_process(checkpoint_lib.preempted())
-      # Skipped updates leave the weights and moments as they were: this is the last good state.
-      ckpt.save(step, state=self.checkpoint_state(), meta=meta, force=last or stop or diverged)
-      if diverged:
-        ckpt.wait()
-        raise NonFiniteError(
-          f"the last {streak} optimiser steps had non-finite gradients and were skipped "
-          f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}; loss "
-          f"{scalars.get('update/loss')}); the last good state is checkpoint step {step} in "
-          f"{ckpt.directory}. Lower optim.learning_rate or check the rewards, then resume with "
-          "--allow_config_change"
-        )
-      if stop:
-        ckpt.wait()
-        logging.warning("SIGTERM: saved step %d, exiting", step)
-        break
-    progress.close()
+    try:
+      for step in range(self.start_step, cfg.train.num_steps):
+        ckpt.check()  # a failed background write stops the run here, once, with its cause
+        start = time.perf_counter()
+        scalars = self.train_step(step, timer)
+        last = step == cfg.train.num_steps - 1
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+          with timer("eval"):
+            scalars.update(self.evaluate(step))
+        scalars.update(timer.summary(reset=True))
+        scalars["time/step"] = time.perf_counter() - start
+        scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
+        scalars["compilations"] = self.programs.cache.compilations
+        streak = int(scalars.get("update/nonfinite_streak", 0))
+        diverged = streak >= cfg.train.max_nonfinite_steps
+        if step % cfg.train.log_every == 0 or last or diverged or "eval/" in "".join(scalars):
+          writer.write(step, scalars)
+          rows.append({"step": step, **scalars})
+        progress.update(step + 1, scalars)
+        meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
+        stop = _any_process(checkpoint_lib.preempted())
+        # Skipped updates leave the weights and moments as they were: this is the last good state.
+        ckpt.save(step, state=self.checkpoint_state(), meta=meta, force=last or stop or diverged)
+        if diverged:
+          ckpt.wait()
+          raise NonFiniteError(
+            f"the last {streak} optimiser steps had non-finite gradients and were skipped "
+            f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}; loss "
+            f"{scalars.get('update/loss')}); the last good state is checkpoint step {step} in "
+            f"{ckpt.directory}. Lower optim.learning_rate or check the rewards, then resume with "
+            "--allow_config_change"
+          )
+        if stop:
+          ckpt.wait()
+          logging.warning("SIGTERM: saved step %d, exiting", step)
+          break
+    finally:
+      progress.close()  # the bar ends its line before any error message
     return rows
 
 
