@@ -121,8 +121,8 @@ def _to_abstract(name: str, leaf: Any) -> jax.ShapeDtypeStruct:
 
 
 class _OrbaxErrorsInOneLine(py_logging.Filter):
-  """Drops the traceback orbax logs (several times) for a failed background save; the failure
-  reaches the caller once, as a CheckpointWriteError carrying the cause."""
+  """Drops the traceback orbax logs (several times) for a failed save or read; the failure
+  reaches the caller once, as a CheckpointWriteError or DamagedCheckpointError with the cause."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if record.exc_info and "orbax" in record.pathname:
@@ -226,6 +226,11 @@ class Checkpointer:
     if not isinstance(step, int) or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
     self.check()
+    if self._write_failed:
+      raise CheckpointWriteError(
+        f"not saving step {step}: the write of step {self._writing} to {self.directory} failed "
+        "earlier; open a new Checkpointer once the cause is fixed"
+      )
     if not self.should_save(step, force=force):
       return False
     try:

@@ -101,9 +101,12 @@ class WorkdirLock:
       os.close(fd)
       if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
         raise WorkdirError(f"cannot lock workdir {self.path.parent}: {e.strerror or e}") from None
+      holder = _holder(self.path)
+      hint = "stop that run or pass another --workdir"
+      if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        hint = "it is this process: close() the earlier Trainer first, or use another workdir"
       raise WorkdirError(
-        f"workdir {self.path.parent} is in use by {_describe(_holder(self.path))} (lock "
-        f"{self.path}); stop that run or pass another --workdir"
+        f"workdir {self.path.parent} is in use by {_describe(holder)} (lock {self.path}); {hint}"
       ) from None
     previous = _holder(self.path)  # a clean release empties the file: a record left is stale
     if previous:

@@ -379,6 +379,8 @@ def test_failed_background_write_is_reported_once_and_keeps_the_previous_step(
   assert "steps on disk ([1, 2]) are intact" in message
   ckpt.check()  # once: not raised again by check, wait or close
   ckpt.wait()
+  with pytest.raises(checkpoint_lib.CheckpointWriteError, match=r"not saving step 4: .* step 3"):
+    ckpt.save(4, state=state, meta={"step": 4})  # no silent saves after a failed one
   ckpt.close()
   monkeypatch.undo()
   reopened = checkpoint_lib.Checkpointer(tmp_path / "ckpt", save_every=1, keep=3)
