@@ -13,12 +13,10 @@ Resume is exact: every random choice of step k (sampling key, environment seeds)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import pathlib
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -32,103 +30,27 @@ from earl_jax import checkpoint as checkpoint_lib
 from earl_jax import config_lib
 from earl_jax import metrics as metrics_lib
 from earl_jax import model as model_lib
-from earl_jax import types as types_lib
 from earl_jax import workdir as workdir_lib
 from earl_jax.model import hf_import
 from earl_jax.parallel import dispatcher, executables
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel import selector as selector_lib
-from earl_jax.parallel.plan import (
-  ParallelPlan,
-  ShardingError,
-  StagePlan,
-  make_stage_plan,
-  validate_for_model,
+from earl_jax.parallel.plan import ParallelPlan, StagePlan
+from earl_jax.rl import (
+  advantage,
+  batches,
+  loop_stats,
+  objective,
+  preflight,
+  rollout,
+  turn_format,
+  update,
 )
-from earl_jax.rl import advantage, batches, loop_stats, objective, rollout, turn_format, update
 from earl_jax.sampler import engine
 from earl_jax.types import Stage
 
 _ENV_SEED_STRIDE = 1_000_003  # env seeds of different config seeds never collide in practice
 _EVAL_SEED_BASE = 10**9  # evaluation episodes use a fixed, disjoint seed range
-
-
-def make_plans(
-  cfg: config_lib.ExperimentConfig,
-  devices: Sequence[jax.Device],
-  model_cfg: config_lib.ModelConfig | None = None,
-) -> ParallelPlan:
-  """The fixed per-stage layouts of ``cfg.parallel`` over ``devices``, validated for the model;
-  a layout that does not fit raises ConfigError naming its config key."""
-  model_cfg = model_cfg or cfg.model
-  ids = [d.id for d in devices]
-  plans = {}
-  for stage in Stage:
-    lay = cfg.parallel.layout(stage.value)
-    try:
-      plan = make_stage_plan(
-        stage,
-        ids,
-        lay.data,
-        lay.fsdp,
-        lay.tensor,
-        micro_batch_size=lay.micro_batch_size,
-        remat=lay.remat,
-      )
-      batch = cfg.rollout.num_slots if stage is Stage.ROLLOUT else cfg.rl.batch_size
-      validate_for_model(plan, model_cfg, batch)
-    except ShardingError as e:  # fail closed, naming the layout key
-      raise config_lib.ConfigError(
-        f"{_layout_key(stage)} (data, fsdp, tensor)", (lay.data, lay.fsdp, lay.tensor), f"{e}"
-      ) from None
-    plans[stage] = plan
-  return ParallelPlan.of(plans)
-
-
-def _layout_key(stage: Stage) -> str:
-  return f"parallel.{stage.value}_layout"
-
-
-def _check_plans(cfg: config_lib.ExperimentConfig, devices, model_cfg) -> ParallelPlan:
-  """``make_plans``, with every layout problem raised as a ConfigError naming the layout key:
-  mesh axes vs the device count and the model's dimensions, and the batch, mini-batch and
-  micro-batch vs each stage's batch shards."""
-  plans = make_plans(cfg, devices, model_cfg)
-  upd = plans[Stage.UPDATE]
-  shards = upd.shards_for(types_lib.BATCH)
-  mini = cfg.rl.batch_size // cfg.rl.mini_batches
-  if mini % shards:
-    raise config_lib.ConfigError(
-      "rl.mini_batches",
-      cfg.rl.mini_batches,
-      f"a value whose mini-batch (batch {cfg.rl.batch_size} / mini_batches = {mini}) divides "
-      f"over the update layout's {shards} batch shards",
-    )
-  micro = upd.micro_batch_size
-  if micro and micro % shards:
-    raise config_lib.ConfigError(
-      f"{_layout_key(Stage.UPDATE)}.micro_batch_size",
-      micro,
-      f"0 or a multiple of the update layout's {shards} batch shards that divides the "
-      f"mini-batch {mini}",
-    )
-  return plans
-
-
-def _reading(key: str, what: str):
-  """Turns any failure of reading a file a config key names into a one-line ConfigError."""
-
-  @contextlib.contextmanager
-  def ctx():
-    try:
-      yield
-    except config_lib.ConfigError:
-      raise
-    except Exception as e:
-      cause = " ".join(f"{type(e).__name__}: {e}".split())[:400]
-      raise config_lib.ConfigError(key, what, f"a readable path ({cause})") from None
-
-  return ctx()
 
 
 def _turn_format(tokenizer: model_lib.Tokenizer):
@@ -341,34 +263,16 @@ class Trainer:
     )
 
   def _preflight(self) -> None:
-    cfg = self.cfg
-    n = cfg.parallel.num_devices or jax.device_count()
-    if n > jax.device_count():
-      raise config_lib.ConfigError("parallel.num_devices", n, f"<= {jax.device_count()} devices")
-    self.devices = jax.devices()[:n]
-    with _reading("tokenizer.path", cfg.tokenizer.path):
-      self.tokenizer = model_lib.make_tokenizer(cfg.tokenizer)
-    self.model_cfg = cfg.model
-    if cfg.pretrained_path:  # the checkpoint's config.json decides the architecture
-      with _reading("pretrained_path", cfg.pretrained_path):
-        self.model_cfg, self._pretrained_dir = model_lib.read_config(cfg.pretrained_path, cfg.model)
-    if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
-      raise config_lib.ConfigError(
-        "model.vocab_size",
-        self.model_cfg.vocab_size,
-        f">= the tokenizer's {self.tokenizer.vocab_size}",
-      )
-    self.plans = _check_plans(cfg, self.devices, self.model_cfg)
+    setup = preflight.check_run(self.cfg)
+    self.devices, self.tokenizer, self.plans = setup.devices, setup.tokenizer, setup.plans
+    self.model_cfg, self._pretrained_dir = setup.model_cfg, setup.pretrained_dir
     self.checkpointer = checkpoint_lib.Checkpointer(
       self.workdir / "checkpoints",
-      save_every=cfg.train.checkpoint_every,
-      keep=cfg.train.keep_checkpoints,
+      save_every=self.cfg.train.checkpoint_every,
+      keep=self.cfg.train.keep_checkpoints,
     )
-    self._check_resume_config()
-
-  def _check_resume_config(self) -> None:
-    """Compares the config with the newest checkpoint whose meta reads (the one resume starts
-    from, unless its arrays turn out damaged: restore checks each candidate again)."""
+    # The newest checkpoint whose meta reads is the one resume starts from (unless its arrays
+    # turn out damaged: restore compares each candidate again).
     for step in reversed(self.checkpointer.all_steps()):
       try:
         meta = self.checkpointer.read_meta(step)
@@ -378,18 +282,14 @@ class Trainer:
       return
 
   def _compare_config(self, step: int, meta: dict[str, Any]) -> None:
-    saved = meta.get("config")
-    if saved is None or step in self._config_checked:
-      return
-    self._config_checked.add(step)
-    experiment, run_only = config_lib.config_changes(saved, self.cfg)
-    if run_only:
-      logging.warning("resuming step %d with changed run settings: %s", step, "; ".join(run_only))
-    if experiment and not self.allow_config_change:
-      raise config_lib.ConfigChangedError(step, self.checkpointer.directory, experiment)
-    if experiment:
-      logging.warning(
-        "resuming step %d with a changed experiment (allowed): %s", step, "; ".join(experiment)
+    if step not in self._config_checked:
+      self._config_checked.add(step)
+      preflight.compare_config(
+        self.cfg,
+        step,
+        meta,
+        self.checkpointer.directory,
+        allow_config_change=self.allow_config_change,
       )
 
   def close(self) -> None:
