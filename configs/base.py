@@ -134,7 +134,6 @@ def get_config() -> ml_collections.ConfigDict:
   p.num_devices = 0  # devices every stage uses; 0 = all
   p.selector = False  # True: the parallelism selector picks each stage's layout per length bucket
   p.memory_budget_gib = 0.0  # per-device memory budget; 0 = from device.memory_stats()
-  p.profile = False  # selector: time feasible layouts per bucket (else the analytic cost model)
   for stage in ("rollout", "reference", "update"):
     lay = p[f"{stage}_layout"] = ml_collections.ConfigDict()  # the fixed layout of this stage
     lay.data = -1  # data-parallel size; -1 = the devices left after fsdp and tensor

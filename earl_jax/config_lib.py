@@ -275,7 +275,6 @@ class ParallelConfig:
   num_devices: int = 0  # devices used by every stage; 0 = all
   selector: bool = False  # True: the selector picks each stage's layout per length bucket
   memory_budget_gib: float = 0.0  # per-device budget; 0 = from device.memory_stats()
-  profile: bool = False  # selector: time the feasible layouts per bucket (else cost model)
   rollout_layout: StageLayout = dataclasses.field(default_factory=StageLayout)
   reference_layout: StageLayout = dataclasses.field(default_factory=StageLayout)
   update_layout: StageLayout = dataclasses.field(default_factory=StageLayout)

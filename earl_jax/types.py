@@ -1,4 +1,4 @@
-"""Shared vocabulary of earl_jax: stages, roles, logical axis names and the shape-letter glossary.
+"""Shared vocabulary of earl_jax: stages, logical axis names and the shape-letter glossary.
 
 Every other module imports names from here; this module imports nothing from earl_jax.
 
@@ -28,13 +28,6 @@ class Stage(enum.Enum):
   ROLLOUT = "rollout"  # policy plays multi-turn episodes (prefill + decode with a KV cache)
   REFERENCE = "reference"  # log-probs of the frozen reference and of the old policy
   UPDATE = "update"  # PPO/GRPO-style loss, gradients, optax update
-
-
-class Role(enum.Enum):
-  """Which model a parameter tree belongs to."""
-
-  POLICY = "policy"
-  REFERENCE = "reference"
 
 
 # Logical axis names. Model code annotates every parameter and cache tensor with these; only the

@@ -1,8 +1,8 @@
 """earl_jax.env: text environments for agentic RL (host side, never jitted).
 
-``make(name, **kwargs)`` builds an env (``names()`` lists them); ``EnvPool`` runs many episodes
-side by side for the rollout loop. See ``base`` for the protocol, ``games`` and ``calculator`` for
-the observation and answer formats.
+``make(name, **kwargs)`` builds an env (``names()`` lists them); the multi-turn rollout
+(``earl_jax.rl.rollout``) drives one env per slot. See ``base`` for the protocol, ``games`` and
+``calculator`` for the observation and answer formats.
 """
 
 from earl_jax.env.base import Env, ObservationMode, OnInvalid, Outcome, StepResult
@@ -10,15 +10,12 @@ from earl_jax.env.calculator import CalculatorEnv, CalculatorEnvConfig, ProblemK
 from earl_jax.env.games import GameEnv, GameEnvConfig, GameSpec, Side, register_game
 from earl_jax.env.opponents import OpponentKind
 from earl_jax.env.parsing import ParseMode
-from earl_jax.env.pool import EnvPool, EpisodeStats, summarize
 from earl_jax.env.registry import make, names
 
 __all__ = [
   "CalculatorEnv",
   "CalculatorEnvConfig",
   "Env",
-  "EnvPool",
-  "EpisodeStats",
   "GameEnv",
   "GameEnvConfig",
   "GameSpec",
@@ -33,5 +30,4 @@ __all__ = [
   "make",
   "names",
   "register_game",
-  "summarize",
 ]

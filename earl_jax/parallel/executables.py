@@ -116,12 +116,6 @@ class ExecutableCache:
   def __len__(self) -> int:
     return len(self._programs)
 
-  def evict(self, stage: Stage, plan: StagePlan) -> None:
-    """Drops every program of ``plan`` (e.g. after it ran out of memory)."""
-    self._programs = {
-      k: v for k, v in self._programs.items() if not (k[0] == stage and k[1] == plan)
-    }
-
 
 @contextlib.contextmanager
 def activation_layout(plan: StagePlan) -> Iterator[None]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from earl_jax import env as env_lib
-from earl_jax.env import scripted
+from tests.env import scripted
 
 PRINTABLE = set(string.printable) - set("\t\r\x0b\x0c")
 

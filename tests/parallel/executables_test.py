@@ -79,8 +79,6 @@ def test_score_program_matches_unsharded_reference_and_cache_counts_compiles():
   assert get(plans[0], 16) is a and get(plans[1], 16) is b and cache.compilations == 2
   get(plans[0], 32)  # a new bucket compiles once more
   assert cache.compilations == 3 and len(cache) == 3
-  cache.evict(Stage.REFERENCE, plans[0])
-  assert len(cache) == 1 and get(plans[0], 16) is not a and cache.compilations == 4
 
   tokens, positions, valid = _batch(8, 16, seed=1)
   want, _ = reference.token_logps(
