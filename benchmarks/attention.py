@@ -22,10 +22,10 @@ import numpy as np
 from flax import nnx
 
 from earl_jax import model as model_lib
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
 from earl_jax.parallel.plan import make_stage_plan
-from earl_jax.rl import batches, losses, objective, update
+from earl_jax.rl import batches, losses, objective, programs, update
 from earl_jax.types import Stage
 
 MODEL = ModelConfig(
@@ -55,11 +55,11 @@ def _programs(attention: str, t: int, b: int):
   graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Decoder(cfg, rngs=nnx.Rngs(0))))
   ref_plan = make_stage_plan(Stage.REFERENCE, [0], 1, 1, 1)
   upd_plan = make_stage_plan(Stage.UPDATE, [0], 1, 1, 1, remat="full")
-  score = ex.lower_score(ref_plan, graphdef, state, (b, t), chunk_size=CHUNK).compile()
+  score = programs.lower_score(ref_plan, graphdef, state, (b, t), chunk_size=CHUNK).compile()
   optimizer = update.make_optimizer(update.OptimConfig())
   train = jax.eval_shape(lambda: update.init_train_state(state, optimizer, jax.random.key(0)))
   obj = objective.Objective(losses.LossConfig(), chunk_size=CHUNK, remat="full", old_from_new=True)
-  upd = ex.lower_update(
+  upd = programs.lower_update(
     upd_plan, graphdef, train, _abstract_batch(b, t), loss_fn=obj, optimizer=optimizer,
     totals_fn=obj.totals,
   ).compile()  # fmt: skip

@@ -20,9 +20,8 @@ from flax import nnx
 
 from benchmarks.attention import MODEL, _abstract_batch
 from earl_jax import model as model_lib
-from earl_jax.parallel import executables as ex
 from earl_jax.parallel.plan import make_stage_plan
-from earl_jax.rl import losses, objective, update
+from earl_jax.rl import losses, objective, programs, update
 from earl_jax.types import Stage
 
 
@@ -34,7 +33,7 @@ def compile_seconds(layers: int, scan: bool, t: int, b: int) -> float:
   train = jax.eval_shape(lambda: update.init_train_state(state, optimizer, jax.random.key(0)))
   obj = objective.Objective(losses.LossConfig(), chunk_size=64, remat="full", old_from_new=True)
   start = time.perf_counter()
-  ex.lower_update(
+  programs.lower_update(
     plan, graphdef, train, _abstract_batch(b, t), loss_fn=obj, optimizer=optimizer,
     totals_fn=obj.totals,
   ).compile()  # fmt: skip

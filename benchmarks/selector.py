@@ -32,14 +32,14 @@ import numpy as np
 from flax import nnx
 
 from earl_jax import model as model_lib
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
 from earl_jax.parallel import memory_model as mm
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel import selector as sel
 from earl_jax.parallel.plan import StagePlan, make_stage_plan
 from earl_jax.parallel.presets import PRESETS
-from earl_jax.rl import reference, update
+from earl_jax.rl import programs, reference, update
 from earl_jax.sampler import engine
 from earl_jax.types import Stage
 
@@ -91,14 +91,14 @@ class Bench:
         plan, self.graphdef, self.abstract, length, SPEC, bucket=(wave, PROMPT)
       )
     elif plan.stage == Stage.REFERENCE:
-      lower = lambda: ex.lower_score(  # noqa: E731
+      lower = lambda: programs.lower_score(  # noqa: E731
         plan, self.graphdef, self.abstract, bucket=(wave, length), chunk_size=CHUNK
       )
     else:
       key = self.state(plan)  # outside eval_shape: creating it under a trace stores tracers
       ts = jax.eval_shape(lambda: self._states[key])
       batch = _batch_abstract(wave, length)
-      lower = lambda: ex.lower_update(  # noqa: E731
+      lower = lambda: programs.lower_update(  # noqa: E731
         plan, self.graphdef, ts, batch, loss_fn=_loss(plan.remat), optimizer=self.optimizer
       )
     return self.programs.get(plan.stage, plan, (wave, length), lower)

@@ -24,6 +24,10 @@ import ml_collections
 from earl_jax.env import calculator as calculator_env
 from earl_jax.env import games as games_env
 from earl_jax.env import registry as env_registry
+from earl_jax.model.config import (  # the model's config lives with the model
+  ModelConfig,
+  TokenizerConfig,
+)
 from earl_jax.rl.advantage import AdvantageConfig
 from earl_jax.rl.losses import LossConfig
 from earl_jax.rl.rollout import RolloutConfig
@@ -35,131 +39,6 @@ from earl_jax.types import ConfigError, DType
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
   if not ok:
     raise ConfigError(key, value, allowed)
-
-
-# ----------------------------------------------------------------------------------------------
-# Model
-
-
-class RopeType(enum.Enum):
-  DEFAULT = "default"  # plain RoPE with rope_theta
-  LLAMA3 = "llama3"  # Llama-3.1 frequency-dependent scaling of the inverse frequencies
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-  """Rotary embedding parameters (HF ``rope_theta`` / ``rope_scaling`` / ``rope_parameters``)."""
-
-  theta: float = 10000.0
-  type: RopeType = RopeType.DEFAULT
-  factor: float = 8.0  # llama3 only: overall wavelength scaling
-  low_freq_factor: float = 1.0  # llama3 only
-  high_freq_factor: float = 4.0  # llama3 only
-  original_max_position_embeddings: int = 8192  # llama3 only: context the base model was trained at
-
-  def __post_init__(self):
-    _require(self.theta > 0, "theta", self.theta, "a positive float")
-    _require(self.factor >= 1.0, "factor", self.factor, "a float >= 1")
-    _require(self.low_freq_factor > 0, "low_freq_factor", self.low_freq_factor, "a positive float")
-    _require(
-      self.high_freq_factor > self.low_freq_factor,
-      "high_freq_factor",
-      self.high_freq_factor,
-      f"a float > low_freq_factor ({self.low_freq_factor})",
-    )
-    _require(
-      self.original_max_position_embeddings > 0,
-      "original_max_position_embeddings",
-      self.original_max_position_embeddings,
-      "a positive int",
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """A decoder of the Llama / Qwen2 family.
-
-  ``vocab_size`` is the tokenizer's vocabulary; the embedding table has ``padded_vocab_size`` rows
-  (rounded up to ``vocab_multiple``) so the vocab dimension divides any tensor-parallel size that
-  divides ``vocab_multiple``. Padded logits are masked, never sampled.
-  """
-
-  vocab_size: int = 256
-  embed_dim: int = 64  # D, HF hidden_size
-  mlp_dim: int = 128  # F, HF intermediate_size
-  num_layers: int = 2  # L
-  num_heads: int = 4  # H
-  num_kv_heads: int = 2  # K; H % K == 0 (grouped-query attention)
-  head_dim: int = 16  # Dh; HF default is embed_dim // num_heads
-  rms_norm_eps: float = 1e-6
-  rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
-  qkv_bias: bool = False  # Qwen2: True
-  tie_embeddings: bool = False  # output projection shares the embedding table
-  max_seq_len: int = 2048  # longest context (prompt + all turns) the model is asked to handle
-  vocab_multiple: int = 128  # pad the embedding rows up to a multiple of this
-  param_dtype: DType = DType.FLOAT32  # master weights (and so Adam moments); keep float32
-  compute_dtype: DType = DType.FLOAT32  # matmul/activation dtype (bfloat16 on accelerators)
-  attention: str = "auto"  # auto | naive | chunked | cudnn | splash (model/attention.py)
-  attention_block: int = 512  # query/key block of the chunked and splash kernels
-  scan_layers: bool = True  # run the stacked blocks with lax.scan (False: unrolled, debugging)
-
-  def __post_init__(self):
-    for key in ("vocab_size", "embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads"):
-      value = getattr(self, key)
-      _require(value > 0, key, value, "a positive int")
-    _require(self.head_dim > 0, "head_dim", self.head_dim, "a positive int")
-    _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "an even int (RoPE rotates pairs)")
-    _require(
-      self.num_heads % self.num_kv_heads == 0,
-      "num_kv_heads",
-      self.num_kv_heads,
-      f"a divisor of num_heads={self.num_heads}",
-    )
-    _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "a positive float")
-    _require(self.max_seq_len > 0, "max_seq_len", self.max_seq_len, "a positive int")
-    _require(self.vocab_multiple > 0, "vocab_multiple", self.vocab_multiple, "a positive int")
-    impls = ("auto", "naive", "chunked", "cudnn", "splash")
-    _require(self.attention in impls, "attention", self.attention, " | ".join(impls))
-    _require(self.attention_block > 0, "attention_block", self.attention_block, "a positive int")
-
-  @property
-  def padded_vocab_size(self) -> int:
-    m = self.vocab_multiple
-    return -(-self.vocab_size // m) * m
-
-  @property
-  def num_params(self) -> int:
-    """Parameter count (padded vocab included), used by memory models."""
-    d, f, h, k, dh = self.embed_dim, self.mlp_dim, self.num_heads, self.num_kv_heads, self.head_dim
-    attn = d * h * dh + 2 * d * k * dh + h * dh * d
-    if self.qkv_bias:
-      attn += h * dh + 2 * k * dh
-    per_layer = attn + 3 * d * f + 2 * d
-    emb = self.padded_vocab_size * d * (1 if self.tie_embeddings else 2)
-    return self.num_layers * per_layer + emb + d
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-class TokenizerKind(enum.Enum):
-  CHAR = "char"  # built-in character tokenizer for tiny from-scratch models; needs no files
-  HF = "hf"  # tokenizer.json (+ tokenizer_config.json chat template) from `path`
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerConfig:
-  kind: TokenizerKind = TokenizerKind.CHAR
-  path: str = ""  # HF: local directory or hub repo id holding tokenizer.json
-
-  def __post_init__(self):
-    _require(
-      self.kind != TokenizerKind.HF or bool(self.path),
-      "path",
-      self.path,
-      "a directory or hub repo id when kind='hf'",
-    )
 
 
 # ----------------------------------------------------------------------------------------------

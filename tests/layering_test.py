@@ -7,7 +7,11 @@
 """
 
 import ast
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -68,3 +72,46 @@ def test_only_config_lib_imports_ml_collections():
     if p.name != "config_lib.py" and any(n.startswith("ml_collections") for n in _imports(p))
   ]
   assert not offenders
+
+
+# ------------------------------------------------------------------------------------------------
+# Transitive rules: what a fresh interpreter has loaded after importing one module.
+
+_PARALLEL = sorted(_name(p) for p in _modules("parallel") if p.stem != "__init__")
+_ROOTS = ["earl_jax.model", *_PARALLEL, *sorted(STAGES)]
+_PROBE = (
+  "import importlib, json, sys; importlib.import_module(sys.argv[1]); "
+  "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('earl_jax', 'pyspiel')))))"
+)
+
+
+def _forbidden(root: str) -> tuple[str, ...]:
+  if root == "earl_jax.model":  # the model knows nothing of envs, RL, layouts or experiments
+    return ("earl_jax.env", "earl_jax.rl", "earl_jax.parallel", "earl_jax.config_lib", "pyspiel")
+  if root.startswith("earl_jax.parallel"):  # stage programs come in as functions
+    return ("earl_jax.rl", "earl_jax.env", "earl_jax.config_lib", "pyspiel")
+  others = tuple(sorted(STAGES - {root}))  # a stage: no other stage, dispatcher or loop
+  return (*others, *sorted(FORBIDDEN_FOR_STAGES), "earl_jax.env", "pyspiel")
+
+
+def test_imports_hold_transitively_in_a_fresh_interpreter():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+  procs = {
+    root: subprocess.Popen(
+      [sys.executable, "-c", _PROBE, root],
+      stdout=subprocess.PIPE,
+      text=True,
+      env=env,
+      cwd=PKG.parent,
+    )
+    for root in _ROOTS
+  }
+  bad = {}
+  for root, proc in procs.items():
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, root
+    loaded = json.loads(out.strip().splitlines()[-1])
+    wrong = [m for m in loaded if m.startswith(_forbidden(root))]
+    if wrong:
+      bad[root] = wrong
+  assert not bad, bad

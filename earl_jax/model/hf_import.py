@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
-from earl_jax.config_lib import ConfigError, ModelConfig, RopeConfig, RopeType
+from earl_jax.model.config import ModelConfig, RopeConfig, RopeType
 from earl_jax.model.transformer import Decoder
+from earl_jax.types import ConfigError
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.types import BATCH, CACHE_SEQ, HEAD_DIM, KV_HEADS, LAYERS
 
 # Logical axes of KVCache.k / KVCache.v, for the parallel layer to shard the cache.

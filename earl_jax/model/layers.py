@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from earl_jax.config_lib import ModelConfig, RopeConfig, RopeType
+from earl_jax.model.config import ModelConfig, RopeConfig, RopeType
 from earl_jax.model.layout import constrain
 from earl_jax.types import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, NORM, SEQ
 

@@ -40,7 +40,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from earl_jax.config_lib import TokenizerConfig, TokenizerKind
+from earl_jax.model.config import TokenizerConfig, TokenizerKind
 
 Message = Mapping[str, str]
 

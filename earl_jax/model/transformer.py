@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from earl_jax.config_lib import ModelConfig
 from earl_jax.model import attention, kv_cache
+from earl_jax.model.config import ModelConfig
 from earl_jax.model.kv_cache import KVCache
 from earl_jax.model.layers import (
   Attention,

@@ -30,7 +30,6 @@ from earl_jax import model as model_lib
 from earl_jax.model import layout as model_layout
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel.plan import StagePlan
-from earl_jax.rl import reference, update
 from earl_jax.sampler import engine
 from earl_jax.types import Stage
 
@@ -195,27 +194,22 @@ def graphdef_config(graphdef: nnx.GraphDef, abstract_state: nnx.State) -> Any:
   return nnx.merge(graphdef, abstract_state).cfg
 
 
-def _score_split(graphdef, state, tokens, positions, valid, *, chunk_size, temperature):
-  m = nnx.merge(graphdef, state)
-  return reference.token_logps(
-    m, tokens, positions, valid, chunk_size=chunk_size, temperature=temperature
-  )[0]
-
-
 def lower_score(
   plan: StagePlan,
   graphdef: nnx.GraphDef,
   abstract_state: nnx.State,
   bucket: tuple[int, int],
-  *,
-  chunk_size: int,
-  temperature: float = 1.0,
+  score_fn: Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array],
 ) -> jax.stages.Lowered:
-  """The reference program (log-probs of given tokens) for ``bucket`` = (B, T)."""
+  """A scoring program for ``bucket`` = (B, T): ``score_fn(model, tokens, positions, valid)``
+  returns [B, T] (the reference stage's log-probs, from ``earl_jax.rl.programs``)."""
   b, t = bucket
   state_sh = mesh_lib.state_shardings(abstract_state, plan)
   row2 = mesh_lib.batch_sharding(plan, 2)
-  fn = functools.partial(_score_split, graphdef, chunk_size=chunk_size, temperature=temperature)
+
+  def fn(state, tokens, positions, valid):
+    return score_fn(nnx.merge(graphdef, state), tokens, positions, valid)
+
   jitted = jax.jit(fn, in_shardings=(state_sh, row2, row2, row2), out_shardings=row2)
   args = (
     _abstract(abstract_state, state_sh),
@@ -227,44 +221,20 @@ def lower_score(
     return jitted.lower(*args)
 
 
-def lower_update(
+def lower_train_step(
   plan: StagePlan,
-  graphdef: nnx.GraphDef,
-  abstract_train_state: update.TrainState,
+  abstract_train_state: Any,
   abstract_batch: Any,
-  *,
-  loss_fn: update.LossFn,
+  step_fn: Callable[[Any, Any], tuple[Any, Any]],
   optimizer: optax.GradientTransformation,
-  totals_fn: update.TotalsFn = update.no_totals,
-  num_mini_batches: int = 1,
-  num_epochs: int = 1,
 ) -> jax.stages.Lowered:
-  """The update program (``num_epochs x num_mini_batches`` optimiser steps); the train state is
-  donated. ``abstract_batch`` leaves are [B, ...]; the plan's micro-batch splits a mini-batch."""
+  """A training program: ``step_fn(state, batch) -> (state, metrics)`` with the state in
+  ``train_state_shardings`` (donated), the batch's [B, ...] leaves on the batch axes and the
+  metrics replicated (the update stage's, from ``earl_jax.rl.programs``)."""
   state_sh = train_state_shardings(plan, abstract_train_state, optimizer)
   batch_sh = jax.tree.map(lambda x: mesh_lib.batch_sharding(plan, len(x.shape)), abstract_batch)
-  b = jax.tree.leaves(abstract_batch)[0].shape[0]
-  if b % num_mini_batches:
-    raise ValueError(f"batch {b} is not divisible by num_mini_batches={num_mini_batches}")
-  mini = b // num_mini_batches
-  micro = plan.micro_batch_size or mini  # 0 means the whole mini-batch in one step
-  if mini % micro:
-    raise ValueError(
-      f"mini-batch {mini} (batch {b} / {num_mini_batches}) is not divisible by "
-      f"micro_batch_size={plan.micro_batch_size}"
-    )
-  fn = functools.partial(
-    update.update_step,
-    graphdef,
-    loss_fn=loss_fn,
-    optimizer=optimizer,
-    totals_fn=totals_fn,
-    num_micro_batches=mini // micro,
-    num_mini_batches=num_mini_batches,
-    num_epochs=num_epochs,
-  )
   jitted = jax.jit(
-    fn,
+    step_fn,
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, replicated(plan)),
     donate_argnums=(0,),
@@ -276,9 +246,11 @@ def lower_update(
 
 
 def train_state_shardings(
-  plan: StagePlan, abstract_train_state: update.TrainState, optimizer: optax.GradientTransformation
-) -> update.TrainState:
-  """Params, and the optimiser leaves shaped like params (Adam moments), share their layout."""
+  plan: StagePlan, abstract_train_state: Any, optimizer: optax.GradientTransformation
+) -> Any:
+  """Shardings of a train state (a pytree dataclass with ``params`` and ``opt_state``): params,
+  and the optimiser leaves shaped like params (Adam moments), share their layout; everything
+  else (step counters, keys) is replicated."""
   params_sh = mesh_lib.state_shardings(abstract_train_state.params, plan)
   rep = replicated(plan)
   opt_sh = optax.tree_map_params(
@@ -288,4 +260,5 @@ def train_state_shardings(
     params_sh,
     transform_non_params=lambda _: rep,
   )
-  return update.TrainState(step=rep, params=params_sh, opt_state=opt_sh, rng=rep)
+  everything_replicated = jax.tree.map(lambda _: rep, abstract_train_state)
+  return everything_replicated.replace(params=params_sh, opt_state=opt_sh)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel.plan import StagePlan
 from earl_jax.types import (
   BATCH,

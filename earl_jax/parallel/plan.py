@@ -20,7 +20,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.types import (
   BATCH,
   DATA,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 
-from earl_jax.config_lib import ConfigError, ModelConfig, RopeConfig, RopeType
-from earl_jax.types import DType
+from earl_jax.model.config import ModelConfig, RopeConfig, RopeType
+from earl_jax.types import ConfigError, DType
 
 _BF16 = {"param_dtype": DType.BFLOAT16, "compute_dtype": DType.BFLOAT16}
 _LLAMA31_ROPE = RopeConfig(theta=500000.0, type=RopeType.LLAMA3, factor=8.0)

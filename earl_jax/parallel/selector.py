@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from earl_jax.config_lib import ConfigError, ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import memory_model as mm
 from earl_jax.parallel.plan import ShardingError, StagePlan, make_stage_plan, validate_for_model
-from earl_jax.types import Stage
+from earl_jax.types import ConfigError, Stage
 
 log = logging.getLogger(__name__)
 

@@ -42,6 +42,7 @@ from earl_jax.rl import (
   loop_stats,
   objective,
   preflight,
+  programs,
   rollout,
   turn_format,
   update,
@@ -104,7 +105,7 @@ class _Programs:
       Stage.REFERENCE,
       plan,
       bucket,
-      lambda: executables.lower_score(
+      lambda: programs.lower_score(
         plan,
         self.graphdef,
         self.abstract_params,
@@ -135,7 +136,7 @@ class _Programs:
       Stage.UPDATE,
       plan,
       bucket,
-      lambda: executables.lower_update(
+      lambda: programs.lower_update(
         plan,
         self.graphdef,
         abstract_state,

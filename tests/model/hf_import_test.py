@@ -14,8 +14,9 @@ import torch
 import transformers
 from flax import nnx
 
-from earl_jax.config_lib import ConfigError, ModelConfig, RopeType
+from earl_jax.config_lib import ConfigError
 from earl_jax.model import CheckpointError, from_pretrained, logits, model_config_from_hf
+from earl_jax.model.config import ModelConfig, RopeType
 from earl_jax.model.transformer import PAD_LOGIT, Decoder
 from earl_jax.types import DType
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from earl_jax.config_lib import ModelConfig
 from earl_jax.model import (
   CACHE_KV_AXES,
   KVCache,
@@ -18,6 +17,7 @@ from earl_jax.model import (
   logits,
   prefill,
 )
+from earl_jax.model.config import ModelConfig
 from earl_jax.model.transformer import Decoder
 from earl_jax.types import BATCH, CACHE_SEQ, HEAD_DIM, KV_HEADS, LAYERS
 

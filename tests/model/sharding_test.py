@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from earl_jax.config_lib import ModelConfig
 from earl_jax.model import Decoder, cache_partition_specs, init_cache, logits, prefill
+from earl_jax.model.config import ModelConfig
 from earl_jax.types import BATCH, EMBED, HEADS, KV_HEADS, MLP, VOCAB
 
 _CFG = ModelConfig(

@@ -13,7 +13,7 @@ import tokenizers
 import transformers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from earl_jax.config_lib import TokenizerConfig, TokenizerKind
+from earl_jax.model.config import TokenizerConfig, TokenizerKind
 from earl_jax.model.tokenizer import (
   CHAR_ALPHABET,
   CHAR_SPECIAL_TOKENS,

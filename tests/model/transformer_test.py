@@ -13,8 +13,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from earl_jax.config_lib import ModelConfig, RopeConfig, RopeType
 from earl_jax.model import PAD_LOGIT, Decoder, logits
+from earl_jax.model.config import ModelConfig, RopeConfig, RopeType
 from earl_jax.model.layers import rope_inv_freq
 from earl_jax.types import DType
 

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from earl_jax import model as model_lib
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import dispatcher
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel import plan as plan_lib

@@ -9,11 +9,11 @@ import numpy as np
 from flax import nnx
 
 from earl_jax import model as model_lib
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel.plan import make_stage_plan
-from earl_jax.rl import reference, update
+from earl_jax.rl import programs, reference, update
 from earl_jax.sampler import engine
 from earl_jax.types import Stage
 
@@ -69,7 +69,7 @@ def test_score_program_matches_unsharded_reference_and_cache_counts_compiles():
   cache = ex.ExecutableCache()
 
   def get(plan, t):
-    lower = lambda: ex.lower_score(plan, graphdef, abstract, bucket=(8, t), chunk_size=8)  # noqa: E731
+    lower = lambda: programs.lower_score(plan, graphdef, abstract, bucket=(8, t), chunk_size=8)  # noqa: E731
     return cache.get(Stage.REFERENCE, plan, (8, t), lower)
 
   a = get(plans[0], 16)
@@ -107,7 +107,7 @@ def test_update_program_steps_and_donates_train_state():
     return -jnp.mean(logps_BxT), {}
 
   abstract_batch = jax.eval_shape(lambda: batch)
-  lowered = ex.lower_update(
+  lowered = programs.lower_update(
     plan, graphdef, jax.eval_shape(lambda: state), abstract_batch, loss_fn=loss_fn,
     optimizer=optimizer,
   )  # fmt: skip

@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 
 from earl_jax import model as model_lib
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
 from earl_jax.parallel import memory_model as mm
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel.plan import make_stage_plan
 from earl_jax.parallel.presets import PRESETS
-from earl_jax.rl import reference, update
+from earl_jax.rl import programs, reference, update
 from earl_jax.sampler import engine
 from earl_jax.types import Stage
 
@@ -64,7 +64,7 @@ def test_rollout_prediction_matches_memory_analysis(mesh, length):
 def test_reference_prediction_matches_memory_analysis(mesh, length):
   graphdef, state = _split(CFG)
   plan = make_stage_plan(Stage.REFERENCE, range(math.prod(mesh)), *mesh)
-  lowered = ex.lower_score(plan, graphdef, state, bucket=(8, length), chunk_size=64)
+  lowered = programs.lower_score(plan, graphdef, state, bucket=(8, length), chunk_size=64)
   compiled = ex.MemoryStats.of(lowered.compile())
   w = mm.Workload(Stage.REFERENCE, load=8, length=length, logits_chunk=64)
   _check(compiled, mm.estimate_memory(CFG, plan, w), f"reference {mesh} T={length}")
@@ -100,7 +100,7 @@ def test_update_prediction_matches_memory_analysis(mesh, remat, mb):
   plan = make_stage_plan(
     Stage.UPDATE, range(math.prod(mesh)), *mesh, remat=remat, micro_batch_size=mb
   )
-  lowered = ex.lower_update(
+  lowered = programs.lower_update(
     plan, graphdef, train_state, batch, loss_fn=pg_loss(remat, 64), optimizer=optimizer
   )
   compiled = ex.MemoryStats.of(lowered.compile())

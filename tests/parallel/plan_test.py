@@ -3,7 +3,7 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import plan as plan_lib
 from earl_jax.types import BATCH, EMBED, HEADS, KV_HEADS, NORM, VOCAB, Stage
 

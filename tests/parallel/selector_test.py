@@ -8,7 +8,8 @@ import json
 import jax
 import pytest
 
-from earl_jax.config_lib import ConfigError, ModelConfig
+from earl_jax.config_lib import ConfigError
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import selector as sel
 from earl_jax.parallel.plan import make_stage_plan
 from earl_jax.parallel.presets import PRESETS, resolve_model

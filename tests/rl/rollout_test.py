@@ -11,7 +11,7 @@ from flax import nnx
 
 from earl_jax import env as env_lib
 from earl_jax import model as model_lib
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.rl import reference, rollout, turn_format
 from earl_jax.sampler import engine, sampling
 

@@ -7,11 +7,11 @@ import pytest
 from flax import nnx
 
 from earl_jax import model as model_lib
-from earl_jax.config_lib import ModelConfig
+from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel.plan import make_stage_plan
-from earl_jax.rl import batches, losses, objective, update
+from earl_jax.rl import batches, losses, objective, programs, update
 from earl_jax.types import Stage
 
 CFG = ModelConfig(
@@ -54,7 +54,7 @@ def _one_step(plan, params, batch):
     Stage.UPDATE,
     plan,
     batch.tokens_BxT.shape,
-    lambda: executables.lower_update(
+    lambda: programs.lower_update(
       plan,
       graphdef,
       sds(state),

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from earl_jax import model as model_lib
-from earl_jax.config_lib import ConfigError, ModelConfig
+from earl_jax.config_lib import ConfigError
+from earl_jax.model.config import ModelConfig
 from earl_jax.rl import reference, update
 
 CFG = ModelConfig(
