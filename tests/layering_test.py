@@ -90,8 +90,12 @@ def _forbidden(root: str) -> tuple[str, ...]:
     return ("earl_jax.env", "earl_jax.rl", "earl_jax.parallel", "earl_jax.config_lib", "pyspiel")
   if root.startswith("earl_jax.parallel"):  # stage programs come in as functions
     return ("earl_jax.rl", "earl_jax.env", "earl_jax.config_lib", "pyspiel")
-  others = tuple(sorted(STAGES - {root}))  # a stage: no other stage, dispatcher or loop
-  return (*others, *sorted(FORBIDDEN_FOR_STAGES), "earl_jax.env", "pyspiel")
+  # A stage: no other stage, dispatcher or loop; of the environments only their protocol.
+  others = tuple(sorted(STAGES - {root}))
+  envs = tuple(
+    f"earl_jax.env.{p.stem}" for p in _modules("env") if p.stem not in ("__init__", "base")
+  )
+  return (*others, *sorted(FORBIDDEN_FOR_STAGES), *envs, "earl_jax.config_lib", "pyspiel")
 
 
 def test_imports_hold_transitively_in_a_fresh_interpreter():
@@ -111,7 +115,8 @@ def test_imports_hold_transitively_in_a_fresh_interpreter():
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, root
     loaded = json.loads(out.strip().splitlines()[-1])
-    wrong = [m for m in loaded if m.startswith(_forbidden(root))]
+    forbidden = _forbidden(root)
+    wrong = [m for m in loaded if m in forbidden or m.startswith(tuple(f"{f}." for f in forbidden))]
     if wrong:
       bad[root] = wrong
   assert not bad, bad

@@ -5,29 +5,39 @@
 ``calculator`` for the observation and answer formats.
 """
 
-from earl_jax.env.base import Env, ObservationMode, OnInvalid, Outcome, StepResult
-from earl_jax.env.calculator import CalculatorEnv, CalculatorEnvConfig, ProblemKind
-from earl_jax.env.games import GameEnv, GameEnvConfig, GameSpec, Side, register_game
-from earl_jax.env.opponents import OpponentKind
-from earl_jax.env.parsing import ParseMode
-from earl_jax.env.registry import make, names
+import importlib
+from typing import Any
 
-__all__ = [
-  "CalculatorEnv",
-  "CalculatorEnvConfig",
-  "Env",
-  "GameEnv",
-  "GameEnvConfig",
-  "GameSpec",
-  "ObservationMode",
-  "OnInvalid",
-  "OpponentKind",
-  "Outcome",
-  "ParseMode",
-  "ProblemKind",
-  "Side",
-  "StepResult",
-  "make",
-  "names",
-  "register_game",
-]
+# Name -> submodule. Loaded on first use, so ``earl_jax.env.base`` (the protocol the rollout
+# imports) does not pull OpenSpiel and every environment in with it.
+_EXPORTS = {
+  "Env": "base",
+  "ObservationMode": "base",
+  "OnInvalid": "base",
+  "Outcome": "base",
+  "StepResult": "base",
+  "CalculatorEnv": "calculator",
+  "CalculatorEnvConfig": "calculator",
+  "ProblemKind": "calculator",
+  "GameEnv": "games",
+  "GameEnvConfig": "games",
+  "GameSpec": "games",
+  "Side": "games",
+  "register_game": "games",
+  "OpponentKind": "opponents",
+  "ParseMode": "parsing",
+  "make": "registry",
+  "names": "registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'earl_jax.env' has no attribute {name!r}")
+  return getattr(importlib.import_module(f"earl_jax.env.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+  return sorted([*globals(), *_EXPORTS])

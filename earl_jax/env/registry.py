@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from earl_jax import config_lib
+from earl_jax import config_build
 from earl_jax.env import base, calculator, games
+from earl_jax.types import ConfigError
 
 CALCULATOR = "calculator"
 
@@ -23,9 +24,9 @@ def names() -> list[str]:
 def make(name: str, **kwargs: Any) -> base.Env:
   """Builds env ``name`` with config fields ``kwargs``; unknown names or keys raise ConfigError."""
   if name == CALCULATOR:
-    config = config_lib.build(calculator.CalculatorEnvConfig, kwargs, path=name)
+    config = config_build.build(calculator.CalculatorEnvConfig, kwargs, path=name)
     return calculator.CalculatorEnv(config)
   if name in games.GAMES:
-    config = config_lib.build(games.GameEnvConfig, kwargs, path=name)
+    config = config_build.build(games.GameEnvConfig, kwargs, path=name)
     return games.GameEnv(games.GAMES[name], config)
-  raise config_lib.ConfigError("env.name", name, f"one of {names()}")
+  raise ConfigError("env.name", name, f"one of {names()}")

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from earl_jax.env.base import Env
 from earl_jax.rl import batches
 from earl_jax.types import ConfigError
 
@@ -68,15 +69,6 @@ class TurnFormat(Protocol):
   def next(self, observation: str, stopped: bool) -> list[int]: ...
 
   def action_text(self, ids: Sequence[int]) -> str: ...
-
-
-class Env(Protocol):
-  @property
-  def instructions(self) -> str: ...
-
-  def reset(self, seed: int) -> str: ...
-
-  def step(self, action_text: str) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
