@@ -17,6 +17,7 @@ has no public accessor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -51,7 +52,7 @@ class PeerWatchdog:
   ):
     self.client, self.me, self.n = client, process_index, num_processes
     self.peer_timeout_s, self.interval_s = peer_timeout_s, interval_s
-    self.on_lost = on_lost or _exit_peer_lost
+    self.on_lost = on_lost or functools.partial(_exit_peer_lost, process_index)
     self._stop = threading.Event()
     self._beats = 0
     self._thread = threading.Thread(target=self._run, name="earl_jax_peer_watchdog", daemon=True)
@@ -76,6 +77,13 @@ class PeerWatchdog:
     self.client.key_value_set(_KEY.format(self.me), str(self._beats), allow_overwrite=True)
 
   def _run(self) -> None:
+    try:
+      self._watch()
+    except BaseException as e:  # the watchdog must not die silently
+      if not self._stop.is_set():
+        self.on_lost(-1, f"the peer watchdog failed: {_short(e)}")
+
+  def _watch(self) -> None:
     seen: dict[int, tuple[str, float]] = {}
     while not self._stop.wait(self.interval_s):
       now = time.monotonic()
@@ -109,14 +117,18 @@ def _short(e: BaseException) -> str:
   return " ".join(f"{type(e).__name__}: {e}".split())[:200]
 
 
-def _exit_peer_lost(peer: int, why: str) -> None:
-  sys.stderr.write(
-    f"earl_jax: process {jax.process_index()} stops: lost process {peer} of the run ({why}). "
-    f"Restart the job; it resumes from the newest complete checkpoint "
-    f"(exit status {EXIT_PEER_LOST}).\n"
-  )
-  sys.stderr.flush()
-  os._exit(EXIT_PEER_LOST)  # the main thread may be blocked in a collective that never returns
+def _exit_peer_lost(me: int, peer: int, why: str) -> None:
+  """Ends this process. Touches no JAX API: after a peer's loss the runtime may be half torn
+  down (a failed collective on the main thread, the interpreter exiting)."""
+  who = f"process {peer} of the run" if peer >= 0 else "contact with the other processes"
+  try:
+    sys.stderr.write(
+      f"\nearl_jax: process {me} stops: lost {who} ({why}). Restart the job; "
+      f"it resumes from the newest complete checkpoint (exit status {EXIT_PEER_LOST}).\n"
+    )
+    sys.stderr.flush()
+  finally:
+    os._exit(EXIT_PEER_LOST)  # the main thread may be blocked in a collective that never returns
 
 
 _watchdog: PeerWatchdog | None = None
