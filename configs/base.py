@@ -151,4 +151,5 @@ def get_config() -> ml_collections.ConfigDict:
   tr.keep_checkpoints = 2  # checkpoints kept
   tr.log_every = 1  # metrics every N steps
   tr.max_nonfinite_steps = 10  # stop, saving the last good state, after N skipped steps in a row
+  tr.profile_steps = ()  # steps traced with jax.profiler into <workdir>/profile (TensorBoard)
   return c

@@ -177,6 +177,7 @@ class TrainConfig:
   # Stop (after saving the last good state) when this many optimiser steps in a row had
   # non-finite gradients and were skipped; each skip is counted in metrics either way.
   max_nonfinite_steps: int = 10
+  profile_steps: tuple[int, ...] = ()  # steps traced with jax.profiler into <workdir>/profile
 
   def __post_init__(self):
     for key in (
@@ -189,6 +190,8 @@ class TrainConfig:
     ):
       _require(getattr(self, key) >= 1, key, getattr(self, key), "a positive int")
     _require(self.eval_every >= 0, "eval_every", self.eval_every, "an int >= 0 (0 = never)")
+    for step in self.profile_steps:
+      _require(step >= 0, "profile_steps", self.profile_steps, "a tuple of step numbers >= 0")
     kinds = [k.value for k in games_env.OpponentKind]
     for name in self.eval_opponents:
       _require(name in kinds, "eval_opponents", self.eval_opponents, f"a tuple of {kinds}")
@@ -286,6 +289,7 @@ RUN_ONLY_KEYS: tuple[str, ...] = (
   "train.keep_checkpoints",
   "train.log_every",
   "train.max_nonfinite_steps",
+  "train.profile_steps",
   "pretrained_path",
   "tokenizer.path",
   "parallel",

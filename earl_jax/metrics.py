@@ -298,3 +298,33 @@ class Progress:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+class ProfileWindow:
+  """Writes a ``jax.profiler`` trace of the steps in ``steps`` to ``<directory>/plugins/profile/``
+  (open with TensorBoard's profile plugin or Perfetto). ``begin(step)`` / ``end(step)`` bracket a
+  step; a trace spans consecutive listed steps, and a run that stops mid-window still ends it."""
+
+  def __init__(self, steps: tuple[int, ...], directory: str | os.PathLike[str]):
+    if any(s < 0 for s in steps):
+      raise ValueError(f"profile steps must be >= 0, got {steps}")
+    self.steps, self.directory = frozenset(steps), os.fspath(directory)
+    self._tracing = False
+
+  def begin(self, step: int) -> None:
+    if step in self.steps and not self._tracing:
+      import jax  # only when a trace is asked for
+
+      jax.profiler.start_trace(self.directory)
+      self._tracing = True
+
+  def end(self, step: int) -> None:
+    if self._tracing and step + 1 not in self.steps:
+      self.close()
+
+  def close(self) -> None:
+    if self._tracing:
+      import jax
+
+      jax.profiler.stop_trace()
+      self._tracing = False

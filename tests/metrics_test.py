@@ -187,3 +187,17 @@ def test_lines_are_plain_json(tmp_path):
     writer.write(7, {"x": 1})
   line = (tmp_path / metrics_lib.METRICS_FILE).read_text().splitlines()[0]
   assert set(json.loads(line)) == {"step", "time", "x"}
+
+
+def test_profile_window_traces_exactly_the_listed_steps(tmp_path):
+  window = metrics_lib.ProfileWindow((1, 2), tmp_path / "profile")
+  traces = lambda: sorted((tmp_path / "profile").rglob("*.xplane.pb"))  # noqa: E731
+  for step in range(4):
+    window.begin(step)
+    jnp.arange(8.0).sum().block_until_ready()
+    window.end(step)
+    assert window._tracing == (step == 1)  # steps 1 and 2 form one trace
+    assert len(traces()) == (1 if step >= 2 else 0)
+  window.close()
+  with pytest.raises(ValueError, match="profile steps"):
+    metrics_lib.ProfileWindow((-1,), tmp_path)

@@ -553,12 +553,15 @@ class Trainer:
     if self.selector is not None:
       self.selector.metrics = writer  # every decision goes to events.jsonl
     progress = metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step)
+    profile = metrics_lib.ProfileWindow(cfg.train.profile_steps, self.workdir / "profile")
     rows, timer = [], metrics_lib.StageTimer()
     try:
       for step in range(self.start_step, cfg.train.num_steps):
         ckpt.check()  # a failed background write stops the run here, once, with its cause
         start = time.perf_counter()
+        profile.begin(step)
         scalars = self.train_step(step, timer)
+        profile.end(step)
         last = step == cfg.train.num_steps - 1
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
           with timer("eval"):
@@ -591,6 +594,7 @@ class Trainer:
           logging.warning("SIGTERM: saved step %d, exiting", step)
           break
     finally:
+      profile.close()
       progress.close()  # the bar ends its line before any error message
     return rows
 

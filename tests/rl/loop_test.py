@@ -47,7 +47,7 @@ def _stable(rows):
 
 @pytest.mark.slow
 def test_two_steps_end_to_end(tmp_path):
-  cfg = tiny_config()
+  cfg = tiny_config(profile_steps=(1,))
   trainer = loop.Trainer(cfg, tmp_path)
   assert trainer.plans.describe()
   rows = trainer.run()
@@ -57,6 +57,7 @@ def test_two_steps_end_to_end(tmp_path):
     assert 0.0 <= r["eval/random/win_rate"] <= 1.0
     assert r["update/skipped_updates"] == 0 and r["context_len/mean"] > 0
   assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoints").is_dir()
+  assert len(list((tmp_path / "profile").rglob("*.xplane.pb"))) == 1  # train.profile_steps
   # A second run in the same workdir finds the final checkpoint and has nothing left to do.
   assert loop.Trainer(cfg, tmp_path).run() == []
 
