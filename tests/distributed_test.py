@@ -10,7 +10,7 @@ class _Store:
   """The two calls the watchdog makes, with the service's NOT_FOUND and failure behaviour."""
 
   def __init__(self):
-    self.values, self.down = {}, False
+    self.values, self.down, self.set_at = {}, False, {}
     self.lock = threading.Lock()
 
   def key_value_set(self, key, value, allow_overwrite=False):
@@ -18,6 +18,7 @@ class _Store:
       raise RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service")
     with self.lock:
       self.values[key] = value
+      self.set_at[key] = time.monotonic()
 
   def key_value_try_get(self, key):
     if self.down:
@@ -59,7 +60,10 @@ def test_a_silent_peer_is_reported_after_the_timeout_and_not_before():
   a.stop()
   assert [(who, peer) for who, peer, _, _ in lost] == [(0, 1)]
   assert "no heartbeat" in lost[0][2]
-  assert 0.5 <= lost[0][3] - stopped < 2.0
+  # Never before the timeout has passed since the silent peer's last beat; soon after it.
+  last_beat = store.set_at["earl_jax/alive/1"]
+  assert last_beat <= stopped and lost[0][3] - last_beat >= 0.5
+  assert lost[0][3] - stopped < 2.0
 
 
 def test_a_peer_that_ended_on_purpose_is_not_lost():
