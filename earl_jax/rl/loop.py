@@ -267,11 +267,7 @@ class Trainer:
     setup = preflight.check_run(self.cfg)
     self.devices, self.tokenizer, self.plans = setup.devices, setup.tokenizer, setup.plans
     self.model_cfg, self._pretrained_dir = setup.model_cfg, setup.pretrained_dir
-    self.checkpointer = checkpoint_lib.Checkpointer(
-      self.workdir / "checkpoints",
-      save_every=self.cfg.train.checkpoint_every,
-      keep=self.cfg.train.keep_checkpoints,
-    )
+    self.checkpointer = self._open_checkpointer()
     # The newest checkpoint whose meta reads is the one resume starts from (unless its arrays
     # turn out damaged: restore compares each candidate again).
     for step in reversed(self.checkpointer.all_steps()):
@@ -281,6 +277,12 @@ class Trainer:
         continue
       self._compare_config(step, meta)
       return
+
+  def _open_checkpointer(self) -> checkpoint_lib.Checkpointer:
+    train = self.cfg.train
+    return checkpoint_lib.Checkpointer(
+      self.workdir / "checkpoints", save_every=train.checkpoint_every, keep=train.keep_checkpoints
+    )
 
   def _compare_config(self, step: int, meta: dict[str, Any]) -> None:
     if step not in self._config_checked:
@@ -524,11 +526,7 @@ class Trainer:
     cfg = self.cfg
     if self.checkpointer is None:  # run() again after an earlier run() ended
       self._lock.acquire()
-      self.checkpointer = checkpoint_lib.Checkpointer(
-        self.workdir / "checkpoints",
-        save_every=cfg.train.checkpoint_every,
-        keep=cfg.train.keep_checkpoints,
-      )
+      self.checkpointer = self._open_checkpointer()
     ckpt = self.checkpointer
     writer, uninstall = None, lambda: None
     try:
