@@ -18,8 +18,12 @@ one device list, so
   union     multi-process, other device sets: one jit over src + dst devices moves the blocks
             (cross-process collectives), then the dst buffers are taken
 
-``mode="centralized"`` is the single-controller baseline (everything through process 0's host),
-for benchmarks and tests only.
+Routes and their byte costs are pure functions of (source sharding, target sharding, shape) and
+cached per such key, so a repeated move (the weight sync of every step) plans nothing again.
+Cost accounting is opt-in (``account=True``); nothing blocks unless ``measure=True``.
+
+``mode="centralized"`` is the single-controller baseline (everything through the host, one replica
+per block as ``jax.device_get`` fetches it), for benchmarks and tests only.
 """
 
 from __future__ import annotations
@@ -57,17 +61,18 @@ class DispatchError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DispatchStats:
-  """What one dispatch did. Byte counts are global (all processes), computed from shardings."""
+  """What one dispatch did. Device byte counts are global (all processes), from shardings;
+  host bytes are counted on this process as they are copied."""
 
   mode: str
   bytes_total: int  # logical size of the tree
-  bytes_moved: int  # bytes that changed device (over all hops)
-  bytes_through_host: int  # 0 in direct mode
-  bytes_busiest_process: int  # max over processes of bytes its devices sent or received
-  num_transfers: int  # device-to-device pieces (direct) or host gathers + scatters (centralized)
+  bytes_through_host: int  # counted: host gathers + scatters (centralized), uploads (direct)
   routes: tuple[tuple[str, str], ...]  # (leaf path, route)
-  seconds: float
+  seconds: float | None = None  # wall time to ready arrays; only with measure=True
   metadata_bytes_from_host: int = 0  # the uploaded permutation, if any
+  bytes_moved: int | None = None  # bytes that changed device (over all hops); account=True
+  bytes_busiest_process: int | None = None  # max over processes of bytes sent or received
+  num_transfers: int | None = None  # device-to-device pieces, or host copies (centralized)
   tokens_per_shard_before: tuple[int, ...] = ()
   tokens_per_shard_after: tuple[int, ...] = ()
 
@@ -118,8 +123,9 @@ def _take_buffers(y: jax.Array, devices: set[jax.Device], drop_lead: bool) -> li
   return out
 
 
-def _plan_route(x: jax.Array, dst: Sharding) -> str:
-  src, shape = x.sharding, x.shape
+@functools.lru_cache(maxsize=4096)
+def _route(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int) -> str:
+  """The route for one leaf; a pure function of the layouts, cached per (src, dst, shape)."""
   if src == dst or blocks.equivalent(src, dst, shape):
     return "noop"
   same_set = src.device_set == dst.device_set
@@ -128,13 +134,12 @@ def _plan_route(x: jax.Array, dst: Sharding) -> str:
   if same_set:
     return "put"  # jax reorders shards on device, then re-layouts with a jit
   n_src, n_dst = len(src.device_set), len(dst.device_set)
-  if x.is_fully_addressable and dst.is_fully_addressable:
+  if src.is_fully_addressable and dst.is_fully_addressable:
     if blocks.blocks_line_up(src, dst, shape):
       return "put"
     if n_dst == n_src:  # both work: take the one that moves fewer bytes
-      item = x.dtype.itemsize
       costs = {
-        r: _two_hop_cost(src, mid(src, blocks.as_named(dst)), dst, shape, item)
+        r: _two_hop_cost(src, mid(src, blocks.as_named(dst)), dst, shape, itemsize)
         for r, mid in (("jit_put", _mid_jit_put), ("put_jit", _mid_put_jit))
       }
       return min(costs, key=costs.get)
@@ -150,6 +155,28 @@ def _plan_route(x: jax.Array, dst: Sharding) -> str:
     f"cannot move a {shape} array from {n_src} to {n_dst} other devices on device: "
     "use device sets whose sizes are multiples of each other"
   )
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaf_cost(
+  src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, route: str
+) -> blocks.MoveCost:
+  """Bytes and transfers of ``route`` (every hop), from the shardings alone; cached, so the
+  cost of a 72B weight sync is computed once per layout pair. Callers never mutate the result."""
+  if route == "noop":
+    return blocks.MoveCost()
+  if route in ("put", "jit"):
+    return blocks.move_cost(src, dst, shape, itemsize)
+  if route == "union":
+    _, _, chunk = _union_layout(src, blocks.as_named(dst))
+    return blocks.move_cost(src, chunk, shape, itemsize)
+  mid = {"put_jit": _mid_put_jit, "jit_put": _mid_jit_put, "assemble": _assemble_sharding}[route](
+    src, blocks.as_named(dst)
+  )
+  cost = blocks.MoveCost()
+  cost.add(blocks.move_cost(src, mid, shape, itemsize))
+  cost.add(blocks.move_cost(mid, dst, shape, itemsize))
+  return cost
 
 
 def _mid_put_jit(src: Sharding, dst: NamedSharding) -> NamedSharding:
@@ -184,8 +211,11 @@ def _assemble_sharding(src: Sharding, dst: NamedSharding) -> NamedSharding:
   return NamedSharding(mesh, dst.spec)  # the unused _copy axis replicates
 
 
-def _union_move(x: jax.Array, dst: NamedSharding) -> tuple[jax.Array, blocks.MoveCost]:
-  src = blocks.as_named(x.sharding)
+def _union_layout(
+  src: NamedSharding, dst: NamedSharding
+) -> tuple[list[jax.Device], int, NamedSharding]:
+  """For a "union" move: the union's device order, the row of it that the destination devices
+  form, and the destination layout on that row's devices (in union order)."""
   src_devices, dst_devices = _devices(src), _devices(dst)
   union = src_devices + [d for d in dst_devices if d not in src.device_set]
   n_u, n_d = len(union), len(dst_devices)
@@ -198,7 +228,17 @@ def _union_move(x: jax.Array, dst: NamedSharding) -> tuple[jax.Array, blocks.Mov
       f"{[d.id for d in dst_devices]} is not supported on device: the destination must be a "
       "subset of the source, contain it, or be disjoint and of the same size"
     )
-  rows_in, rows_out = n_u // len(src_devices), n_u // n_d
+  chunk = union[row * n_d : (row + 1) * n_d]
+  chunk_sharding = NamedSharding(
+    Mesh(_grid(chunk, dst.mesh.devices.shape), dst.mesh.axis_names), dst.spec
+  )
+  return union, row, chunk_sharding
+
+
+def _union_move(x: jax.Array, dst: NamedSharding) -> jax.Array:
+  src = blocks.as_named(x.sharding)
+  union, row, chunk_sharding = _union_layout(src, dst)
+  rows_in, rows_out = len(union) // len(src.device_set), len(union) // len(dst.device_set)
   y_sharding = NamedSharding(
     Mesh(_grid(union, (rows_in, *src.mesh.devices.shape)), ("_row", *src.mesh.axis_names)),
     PartitionSpec("_row", *src.spec),
@@ -207,7 +247,7 @@ def _union_move(x: jax.Array, dst: NamedSharding) -> tuple[jax.Array, blocks.Mov
   local = [s.data.reshape((1, *block)) for s in x.addressable_shards]
   local += [
     _zeros((1, *block), x.dtype, d)()
-    for d in union[len(src_devices) :]
+    for d in union[len(src.device_set) :]
     if d.process_index == jax.process_index()
   ]
   y = jax.make_array_from_single_device_arrays(
@@ -218,47 +258,34 @@ def _union_move(x: jax.Array, dst: NamedSharding) -> tuple[jax.Array, blocks.Mov
     PartitionSpec("_row", *dst.spec),
   )
   out = _union_fn(out_sharding, row, rows_out)(y)
-  chunk = union[row * n_d : (row + 1) * n_d]
-  chunk_sharding = NamedSharding(
-    Mesh(_grid(chunk, dst.mesh.devices.shape), dst.mesh.axis_names), dst.spec
-  )
   z = jax.make_array_from_single_device_arrays(
     x.shape, chunk_sharding, _take_buffers(out, dst.device_set, drop_lead=True), dtype=x.dtype
   )
-  cost = blocks.move_cost(x.sharding, chunk_sharding, x.shape, x.dtype.itemsize)
-  if chunk != dst_devices:
+  if _devices(chunk_sharding) != _devices(dst):
     z = jax.device_put(z, dst)
-  return z, cost
+  return z
 
 
-def _move(x: jax.Array, dst: Sharding, route: str) -> tuple[jax.Array, blocks.MoveCost]:
-  """Executes ``route`` for one leaf; returns the moved array and its cost."""
-  item, shape = x.dtype.itemsize, x.shape
+def _move(x: jax.Array, dst: Sharding, route: str) -> jax.Array:
+  """Executes ``route`` for one leaf (``_leaf_cost`` says what it costs)."""
   if route == "noop":
-    return (x if x.sharding == dst else jax.device_put(x, dst)), blocks.MoveCost()
+    return x if x.sharding == dst else jax.device_put(x, dst)
   if route == "put":
-    return jax.device_put(x, dst), blocks.move_cost(x.sharding, dst, shape, item)
+    return jax.device_put(x, dst)
   if route == "jit":
-    return _identity(dst)(x), blocks.move_cost(x.sharding, dst, shape, item)
+    return _identity(dst)(x)
   dst_named = blocks.as_named(dst)
   if route == "put_jit":
-    mid = _mid_put_jit(x.sharding, dst_named)
-    y = _identity(dst)(jax.device_put(x, mid))
-  elif route == "jit_put":
-    mid = _mid_jit_put(x.sharding, dst_named)
-    y = jax.device_put(_identity(mid)(x), dst)
-  elif route == "assemble":
-    mid = _assemble_sharding(x.sharding, dst_named)
-    moved = jax.device_put(x, mid)
+    return _identity(dst)(jax.device_put(x, _mid_put_jit(x.sharding, dst_named)))
+  if route == "jit_put":
+    return jax.device_put(_identity(_mid_jit_put(x.sharding, dst_named))(x), dst)
+  if route == "assemble":
+    moved = jax.device_put(x, _assemble_sharding(x.sharding, dst_named))
     bufs = _take_buffers(moved, dst.device_set, drop_lead=False)
-    y = jax.make_array_from_single_device_arrays(shape, dst, bufs, dtype=x.dtype)
-  elif route == "union":
+    return jax.make_array_from_single_device_arrays(x.shape, dst, bufs, dtype=x.dtype)
+  if route == "union":
     return _union_move(x, dst_named)
-  else:
-    raise AssertionError(route)
-  cost = blocks.move_cost(x.sharding, mid, shape, item)
-  cost.add(blocks.move_cost(mid, dst, shape, item))
-  return y, cost
+  raise AssertionError(route)
 
 
 def _not_participating(x: jax.Array, dst: Sharding) -> bool:
@@ -266,38 +293,62 @@ def _not_participating(x: jax.Array, dst: Sharding) -> bool:
   return all(d.process_index != me for d in x.sharding.device_set | dst.device_set)
 
 
-def _move_direct(x: jax.Array, dst: Sharding) -> tuple[jax.Array, str, blocks.MoveCost]:
-  # Device-to-device copies are this module's job; the host guards of a caller's
-  # jax.transfer_guard("disallow_explicit") stay active, so a host fallback still raises.
-  with jax.transfer_guard_device_to_device("allow"):
-    return _move_direct_unguarded(x, dst)
-
-
-def _move_direct_unguarded(x: jax.Array, dst: Sharding) -> tuple[jax.Array, str, blocks.MoveCost]:
-  route = _plan_route(x, dst)
+def _move_direct(x: jax.Array, dst: Sharding) -> tuple[jax.Array, str]:
+  """One leaf, device to device. The host is shut out while it moves: a route that fell back to
+  the host (``jax.device_put`` does that silently for some layout pairs) raises instead, which is
+  what makes the direct mode's ``bytes_through_host`` a measurement rather than a claim."""
+  route = _route(x.sharding, dst, x.shape, x.dtype.itemsize)
   if _not_participating(x, dst):
     # This process holds no block of either side; it only needs the global array object.
-    cost = blocks.MoveCost() if route == "noop" else _global_cost(x, dst, route)
-    return jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype), route, cost
-  y, cost = _move(x, dst, route)
-  return y, route, cost
+    return jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype), route
+  with (
+    jax.transfer_guard_device_to_device("allow"),
+    jax.transfer_guard_device_to_host("disallow_explicit"),
+    jax.transfer_guard_host_to_device("disallow_explicit"),
+  ):
+    return _move(x, dst, route), route
 
 
-def _global_cost(x: jax.Array, dst: Sharding, route: str) -> blocks.MoveCost:
-  if route == "assemble":
-    mid = _assemble_sharding(x.sharding, blocks.as_named(dst))
-    return blocks.move_cost(x.sharding, mid, x.shape, x.dtype.itemsize)
-  return blocks.move_cost(x.sharding, dst, x.shape, x.dtype.itemsize)
+class _HostCounter:
+  """Bytes the centralized baseline really copies through the host (counted as they are copied)."""
 
+  def __init__(self) -> None:
+    self.bytes = 0
+    self.transfers = 0
 
-def _move_centralized(x: jax.Array, dst: Sharding, perm_B: np.ndarray | None) -> jax.Array:
-  """Single-controller baseline: the whole leaf to the host as numpy, then a host scatter."""
-  if x.is_fully_addressable:
-    # Copy shard by shard: np.asarray(x) caches the host copy on the array, which would make
-    # repeated baseline runs free.
+  def fetch(self, x: jax.Array) -> np.ndarray:
+    """One replica per block to the host, as ``jax.device_get`` does."""
     host = np.empty(x.shape, x.dtype)
+    seen: set[tuple[tuple[int, int, int], ...]] = set()
     for shard in x.addressable_shards:
-      host[shard.index] = np.asarray(shard.data)
+      key = tuple(s.indices(n) for s, n in zip(shard.index, x.shape))
+      if key in seen:
+        continue
+      seen.add(key)
+      # Copied shard by shard: np.asarray(x) caches the host copy on the array, which would make
+      # repeated baseline runs free.
+      block = np.asarray(shard.data)
+      host[shard.index] = block
+      self.bytes += block.nbytes
+      self.transfers += 1
+    return host
+
+  def scatter(self, host: np.ndarray, dst: Sharding) -> jax.Array:
+    def block(index):
+      piece = host[index]
+      self.bytes += piece.nbytes
+      self.transfers += 1
+      return piece
+
+    return jax.make_array_from_callback(host.shape, dst, block, dtype=host.dtype)
+
+
+def _move_centralized(
+  x: jax.Array, dst: Sharding, perm_B: np.ndarray | None, counter: _HostCounter
+) -> jax.Array:
+  """Single-controller baseline: the leaf to the host as numpy, then a host scatter."""
+  if x.is_fully_addressable:
+    host = counter.fetch(x)
   else:
     # Multi-controller emulation of "gather to the controller": an on-device all-gather to every
     # device (what process_allgather does, which also needs shards on every process), then one
@@ -305,11 +356,11 @@ def _move_centralized(x: jax.Array, dst: Sharding, perm_B: np.ndarray | None) ->
     everywhere = NamedSharding(
       Mesh(np.array(jax.devices(), dtype=object), ("_all",)), PartitionSpec()
     )
-    replicated, _, _ = _move_direct(x, everywhere)
-    host = np.asarray(replicated.addressable_shards[0].data)
+    replicated, _ = _move_direct(x, everywhere)
+    host = counter.fetch(replicated.addressable_shards[0].data)
   if perm_B is not None:
     host = host[perm_B]
-  return jax.make_array_from_callback(x.shape, dst, lambda index: host[index], dtype=x.dtype)
+  return counter.scatter(host, dst)
 
 
 def _check_leaves(leaves: list[Any], dsts: list[Any], perm_B: np.ndarray | None) -> None:
@@ -329,12 +380,11 @@ def _check_leaves(leaves: list[Any], dsts: list[Any], perm_B: np.ndarray | None)
       )
 
 
-def _apply_permutation(
-  ys: list[jax.Array], perm_B: np.ndarray
-) -> tuple[list[jax.Array], int, blocks.MoveCost]:
-  """On-device gather along the batch axis; the int32 permutation is the only upload."""
+def _apply_permutation(ys: list[jax.Array], perm_B: np.ndarray) -> tuple[list[jax.Array], int]:
+  """On-device gather along the batch axis; the int32 permutation is the only upload (its bytes
+  are returned, counted per upload)."""
   uploaded: dict[Any, jax.Array] = {}
-  out, cost = [], blocks.MoveCost()
+  out = []
   for y in ys:
     named = blocks.as_named(y.sharding)
     if named.mesh not in uploaded:
@@ -342,11 +392,17 @@ def _apply_permutation(
         uploaded[named.mesh] = jax.device_put(perm_B, NamedSharding(named.mesh, PartitionSpec()))
     with jax.transfer_guard_device_to_device("allow"):
       out.append(_gather(y.sharding)(y, uploaded[named.mesh]))
-    # Rows that leave their shard: every byte of a shard-crossing row moves once.
+  return out, len(uploaded) * perm_B.nbytes
+
+
+def _permutation_cost(ys: list[jax.Array], perm_B: np.ndarray) -> blocks.MoveCost:
+  """Rows that leave their shard: every byte of a shard-crossing row moves once."""
+  cost = blocks.MoveCost()
+  for y in ys:
     rows = y.shape[0] // max(1, len({b[0] for b in blocks.block_map(y.sharding, y.shape).values()}))
     crossing = int(np.sum(perm_B // rows != np.arange(perm_B.shape[0]) // rows))
     cost.bytes_moved += crossing * (y.nbytes // y.shape[0])
-  return out, len(uploaded) * perm_B.nbytes, cost
+  return cost
 
 
 def dispatch(
@@ -356,8 +412,13 @@ def dispatch(
   mode: str = "direct",
   permutation: np.ndarray | None = None,
   lengths_B: np.ndarray | None = None,
+  account: bool = False,
+  measure: bool = False,
 ) -> tuple[Any, DispatchStats]:
   """Moves every leaf of ``tree`` to the matching sharding of ``dst_shardings`` (same structure).
+
+  Asynchronous like any JAX call: the moves are enqueued and the result returned at once, unless
+  ``measure`` asks to wait for them.
 
   Args:
     tree: pytree of jax.Array (an nnx.State works).
@@ -366,9 +427,15 @@ def dispatch(
     permutation: optional ``perm_B``; the result holds ``leaf[perm_B]`` for every leaf (all lead
       with the batch axis). Undo with ``inverse_permutation(perm_B)``.
     lengths_B: optional real-token counts per sample, to report tokens per destination shard.
+    account: fill the device-side byte accounting (``bytes_moved``, ``bytes_busiest_process``,
+      ``num_transfers``), computed from the shardings and cached per (source, target, shape);
+      ``None`` in the stats otherwise.
+    measure: block until the moved arrays are ready and report ``seconds`` (``None`` otherwise).
 
   Returns:
-    (moved tree, DispatchStats). Time is measured after ``block_until_ready``.
+    (moved tree, DispatchStats). ``bytes_through_host`` is counted as bytes are copied: the
+    centralized mode's gathers and scatters; in direct mode only uploaded metadata (the
+    permutation), since the host is shut out of the moves (a host fallback raises).
   """
   if mode not in ("direct", "centralized"):
     raise DispatchError(f"mode={mode!r}; allowed: 'direct', 'centralized'")
@@ -379,69 +446,44 @@ def dispatch(
   _check_leaves(leaves, dsts, perm_B)
   start = time.perf_counter()
   if mode == "centralized":
-    out = [_move_centralized(x, dst, perm_B) for x, dst in zip(leaves, dsts)]
-    stats_fn = functools.partial(_centralized_stats, leaves, dsts)
+    counter = _HostCounter()
+    out = [_move_centralized(x, dst, perm_B, counter) for x, dst in zip(leaves, dsts)]
+    routes = tuple((jax.tree_util.keystr(p), "host") for p, _ in leaves_with_path)
+    host_bytes, cost = counter.bytes, None
+    if account:
+      cost = blocks.MoveCost(host_bytes, counter.transfers, {jax.process_index(): host_bytes})
   else:
     moved = [_move_direct(x, dst) for x, dst in zip(leaves, dsts)]
-    out = [y for y, _, _ in moved]
-    cost = blocks.MoveCost()
-    for _, _, c in moved:
-      cost.add(c)
-    metadata = 0
+    out = [y for y, _ in moved]
+    host_bytes = 0
     if perm_B is not None:
-      out, metadata, perm_cost = _apply_permutation(out, perm_B)
-      cost.add(perm_cost)
-    routes = tuple(
-      (jax.tree_util.keystr(p), r) for (p, _), (_, r, _) in zip(leaves_with_path, moved)
-    )
-    stats_fn = functools.partial(_direct_stats, leaves, cost, routes, metadata)
-  jax.block_until_ready(out)
-  seconds = time.perf_counter() - start
-  stats = stats_fn(seconds)
+      out, host_bytes = _apply_permutation(out, perm_B)
+    routes = tuple((jax.tree_util.keystr(p), r) for (p, _), (_, r) in zip(leaves_with_path, moved))
+    cost = None
+    if account:
+      cost = blocks.MoveCost()
+      for x, dst, (_, route) in zip(leaves, dsts, moved):
+        cost.add(_leaf_cost(x.sharding, dst, x.shape, x.dtype.itemsize, route))
+      if perm_B is not None:
+        cost.add(_permutation_cost(out, perm_B))
+  seconds = None
+  if measure:
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+  stats = DispatchStats(
+    mode=mode,
+    bytes_total=sum(x.nbytes for x in leaves),
+    bytes_through_host=host_bytes,
+    routes=routes,
+    seconds=seconds,
+    metadata_bytes_from_host=host_bytes if mode == "direct" else 0,
+    bytes_moved=None if cost is None else cost.bytes_moved,
+    bytes_busiest_process=None if cost is None else max(cost.bytes_by_process.values(), default=0),
+    num_transfers=None if cost is None else cost.transfers,
+  )
   if lengths_B is not None and dsts:
     stats = _with_tokens(stats, np.asarray(lengths_B), perm_B, dsts[0], leaves[0].shape)
   return jax.tree_util.tree_unflatten(treedef, out), stats
-
-
-def _direct_stats(
-  leaves: list[jax.Array],
-  cost: blocks.MoveCost,
-  routes: tuple[tuple[str, str], ...],
-  metadata: int,
-  seconds: float,
-) -> DispatchStats:
-  return DispatchStats(
-    mode="direct",
-    bytes_total=sum(x.nbytes for x in leaves),
-    bytes_moved=cost.bytes_moved,
-    bytes_through_host=0,
-    bytes_busiest_process=max(cost.bytes_by_process.values(), default=0),
-    num_transfers=cost.transfers,
-    routes=routes,
-    seconds=seconds,
-    metadata_bytes_from_host=metadata,
-  )
-
-
-def _centralized_stats(
-  leaves: list[jax.Array], dsts: list[Sharding], seconds: float
-) -> DispatchStats:
-  gathered = sum(x.nbytes for x in leaves)
-  scattered = sum(
-    blocks.total_block_bytes(d, x.shape, x.dtype.itemsize) for x, d in zip(leaves, dsts)
-  )
-  gathers = sum(len({b for b in blocks.block_map(x.sharding, x.shape).values()}) for x in leaves)
-  scatters = sum(len(d.device_set) for d in dsts)
-  return DispatchStats(
-    mode="centralized",
-    bytes_total=gathered,
-    bytes_moved=gathered + scattered,
-    bytes_through_host=gathered + scattered,
-    bytes_busiest_process=gathered + scattered,  # process 0 receives and sends everything
-    num_transfers=gathers + scatters,
-    routes=tuple((f"leaf{i}", "host") for i in range(len(leaves))),
-    seconds=seconds,
-  )
 
 
 def _with_tokens(
@@ -461,8 +503,9 @@ def _with_tokens(
 
 
 def sync_weights(
-  params_state: nnx.State, dst_plan: StagePlan, *, mode: str = "direct"
+  params_state: nnx.State, dst_plan: StagePlan, **dispatch_kwargs: Any
 ) -> tuple[nnx.State, DispatchStats]:
-  """Weight sync (update -> rollout): the state moved to ``dst_plan``'s parameter shardings."""
+  """Weight sync (update -> rollout): the state moved to ``dst_plan``'s parameter shardings;
+  ``dispatch_kwargs`` go to ``dispatch`` (mode, account, measure)."""
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_state)
-  return dispatch(params_state, state_shardings(abstract, dst_plan), mode=mode)
+  return dispatch(params_state, state_shardings(abstract, dst_plan), **dispatch_kwargs)

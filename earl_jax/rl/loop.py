@@ -378,7 +378,7 @@ class Trainer:
         self._select(Stage.ROLLOUT, cfg.rollout.num_slots, self._context_bucket, step)
     with timer("sync"):
       rollout_params, sync_stats = dispatcher.sync_weights(
-        self.state.params, self.plans[Stage.ROLLOUT]
+        self.state.params, self.plans[Stage.ROLLOUT], account=True
       )
     with timer("rollout"):
       result = self.play(rollout_params, self.episodes(step), self.envs, rng)
@@ -405,11 +405,11 @@ class Trainer:
         ref_logps_BxT=unread if ref is None else ref,
         old_logps_BxT=unread if old is None else old,
       )
-      adv = jax.block_until_ready(self._advantages(scored))
+      adv = self._advantages(scored)
     with timer("dispatch"):
       lengths = np.asarray(result.batch.valid_BxT.sum(axis=1))
       adv, dispatch_stats = dispatcher.dispatch(
-        adv, _batch_shardings(self.plans[Stage.UPDATE], adv), lengths_B=lengths
+        adv, _batch_shardings(self.plans[Stage.UPDATE], adv), lengths_B=lengths, account=True
       )
     with timer("update"):
       # The update donates the train state: a checkpoint still reading it must finish first

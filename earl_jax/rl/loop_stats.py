@@ -54,8 +54,10 @@ def rollout_scalars(result: RolloutResult) -> dict[str, Any]:
 
 
 def dispatch_scalars(stats: DispatchStats, prefix: str) -> dict[str, float]:
-  return {
-    f"{prefix}/bytes_moved": stats.bytes_moved,
-    f"{prefix}/bytes_through_host": stats.bytes_through_host,
-    f"{prefix}/seconds": stats.seconds,
-  }
+  """Bytes a dispatch moved between devices (if accounted) and through the host (counted)."""
+  out = {f"{prefix}/bytes_through_host": stats.bytes_through_host}
+  if stats.bytes_moved is not None:
+    out[f"{prefix}/bytes_moved"] = stats.bytes_moved
+  if stats.seconds is not None:
+    out[f"{prefix}/seconds"] = stats.seconds
+  return out

@@ -68,12 +68,55 @@ def test_routes_and_byte_accounting():
   ]:
     dst = mesh_lib.logical_to_sharding(logical, x.shape, dst_plan)
     with jax.transfer_guard("disallow_explicit"):
-      y, stats = dispatcher.dispatch([x], [dst])
+      y, stats = dispatcher.dispatch([x], [dst], account=True)
     assert stats.route_counts() == {route: 1} and stats.bytes_moved == moved
     assert stats.bytes_busiest_process == moved and y[0].sharding == dst
-  y, stats = dispatcher.dispatch([x], [dst], mode="centralized")
+  y, stats = dispatcher.dispatch([x], [dst], mode="centralized", account=True)
   np.testing.assert_array_equal(np.asarray(y[0]), 1.0)
+  # Counted copies: 4 row blocks fetched, 4 column blocks scattered.
   assert stats.bytes_through_host == 512 + 512 and stats.route_counts() == {"host": 1}
+  assert stats.num_transfers == 8
+
+
+def test_centralized_fetches_one_replica_per_block():
+  plan = plan_lib.make_stage_plan(Stage.UPDATE, range(8), 2, 1, 4)  # rows over 2, replicated x4
+  x = jax.device_put(np.ones((8, 16), np.float32), mesh_lib.batch_sharding(plan, 2, 8))
+  dst = mesh_lib.batch_sharding(plan_lib.make_stage_plan(Stage.ROLLOUT, range(8), 8, 1, 1), 2, 8)
+  _, stats = dispatcher.dispatch([x], [dst], mode="centralized", account=True)
+  # jax.device_get fetches one replica per block: 2 blocks of 256 bytes, not 8 shards.
+  assert stats.bytes_through_host == 512 + 512 and stats.num_transfers == 2 + 8
+
+
+def test_accounting_and_timing_are_opt_in_and_costs_are_cached():
+  a = plan_lib.make_stage_plan(Stage.UPDATE, range(4), 1, 4, 1)
+  b = plan_lib.make_stage_plan(Stage.ROLLOUT, range(4, 8), 1, 1, 4)
+  x = jax.device_put(
+    np.ones((8, 16), np.float32), mesh_lib.logical_to_sharding((BATCH,), (8, 16), a)
+  )
+  dst = mesh_lib.logical_to_sharding((None, MLP), x.shape, b)
+  _, plain = dispatcher.dispatch([x], [dst])
+  assert plain.bytes_moved is None and plain.num_transfers is None and plain.seconds is None
+  assert plain.bytes_through_host == 0 and plain.bytes_total == 512
+  dispatcher._leaf_cost.cache_clear()
+  _, first = dispatcher.dispatch([x], [dst], account=True, measure=True)
+  _, second = dispatcher.dispatch([x], [dst], account=True)
+  assert first.bytes_moved == second.bytes_moved > 0 and first.seconds > 0
+  info = dispatcher._leaf_cost.cache_info()
+  assert info.misses == 1 and info.hits == 1
+
+
+def test_direct_mode_shuts_the_host_out(monkeypatch):
+  # Force the plain device_put onto a pair whose blocks do not line up across device sets: jax
+  # would gather it on the host. The direct mode must raise instead of copying silently.
+  a = plan_lib.make_stage_plan(Stage.UPDATE, range(4), 1, 4, 1)
+  b = plan_lib.make_stage_plan(Stage.ROLLOUT, range(4, 8), 1, 1, 4)
+  x = jax.device_put(
+    np.ones((8, 16), np.float32), mesh_lib.logical_to_sharding((BATCH,), (8, 16), a)
+  )
+  dst = mesh_lib.logical_to_sharding((None, MLP), x.shape, b)
+  monkeypatch.setattr(dispatcher, "_route", lambda *args: "put")
+  with pytest.raises(Exception, match="Disallowed"):
+    dispatcher.dispatch([x], [dst])
 
 
 def test_centralized_mode_goes_through_host():
