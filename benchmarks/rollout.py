@@ -23,7 +23,6 @@ import numpy as np
 
 from earl_jax import checkpoint as checkpoint_lib
 from earl_jax import config_lib
-from earl_jax.parallel import dispatcher
 from earl_jax.rl import loop, rollout
 from earl_jax.types import Stage
 
@@ -50,11 +49,12 @@ def main() -> None:
       os.path.join(args.workdir, "checkpoints"), save_every=1, keep=1
     )
     trainer.restore(ckpt, resume="required")
-  params, _ = dispatcher.sync_weights(trainer.state.params, trainer.plans[Stage.ROLLOUT])
+  params, _ = trainer.stages.rollout_weights()
   episodes = [rollout.EpisodeSpec(seed=10**8 + i, group_id=0) for i in range(args.episodes)]
   results = []
   for r in range(args.repeats + 1):  # the first one compiles
-    results.append(trainer.play(params, episodes, trainer.envs, jax.random.key(r)))
+    rng = jax.random.key(r)
+    results.append(trainer.stages.rollout(params, episodes, trainer.envs, trainer.fmt, rng))
   timed = results[1:]
   best = min(timed, key=lambda x: x.seconds)
   print(

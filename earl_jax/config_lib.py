@@ -61,6 +61,11 @@ class EnvConfig:
     section = self.calculator if self.name == env_registry.CALCULATOR else self.game
     return env_registry.make(self.name, **{**dataclasses.asdict(section), **overrides})
 
+  def evaluations(self, opponents: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """(metric name, ``make`` overrides) per evaluation suite; the env decides (see
+    ``env.registry.evaluations``)."""
+    return env_registry.evaluations(self.name, opponents)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:

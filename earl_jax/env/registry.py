@@ -21,6 +21,17 @@ def names() -> list[str]:
   return sorted([*games.GAMES, CALCULATOR])
 
 
+def evaluations(name: str, opponents: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
+  """How env ``name`` is evaluated: (metric name, config overrides) per evaluation suite.
+
+  Games play one suite per opponent in ``opponents`` (``train.eval_opponents``); the calculator
+  has one suite, its own problems, and no opponent.
+  """
+  if name == CALCULATOR:
+    return [(CALCULATOR, {})]
+  return [(opponent, {"opponent": opponent}) for opponent in opponents]
+
+
 def make(name: str, **kwargs: Any) -> base.Env:
   """Builds env ``name`` with config fields ``kwargs``; unknown names or keys raise ConfigError."""
   if name == CALCULATOR:

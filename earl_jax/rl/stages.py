@@ -1,0 +1,315 @@
+"""Stage resources: what each stage runs on, apart from the RL algorithm that uses it.
+
+``StageResources`` owns, for the three stages (rollout, reference, update): the one copy of their
+plans, the compiled programs (one lowering per stage, cached per plan and shape), the weights in
+each stage's layout (the policy's train state on the update layout, the frozen reference on the
+reference layout), the rollout KV cache, the parallelism selector and the re-layout that follows
+its decisions. The learner (``rl/loop.py``) calls one method per stage and never sees a sharding:
+
+  rollout_weights()  policy weights -> the rollout layout (the weight sync)
+  rollout(...)       multi-turn episodes with those weights -> RolloutResult (host batch)
+  score(batch)       the batch on the reference layout with old/reference log-probs -> ScoredBatch
+  to_update(batch)   a reference-layout batch -> the update layout (the dispatcher)
+  update(batch)      one optimiser step on the train state -> its metrics (device arrays)
+  choose(...)        asks the selector for a stage's plan and moves that stage's state there
+
+Every stage method returns arrays (or host data the env loop needs), never a program; memory checks
+ask ``compiled(stage, plan, batch)``. Nothing blocks on the device except the rollout, whose env
+loop needs each turn's tokens on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from earl_jax import config_lib
+from earl_jax import model as model_lib
+from earl_jax.model import hf_import
+from earl_jax.parallel import dispatcher, executables
+from earl_jax.parallel import mesh as mesh_lib
+from earl_jax.parallel import selector as selector_lib
+from earl_jax.parallel.plan import ParallelPlan, StagePlan
+from earl_jax.rl import batches, objective, preflight, programs, rollout, update
+from earl_jax.sampler import engine
+from earl_jax.types import Stage
+
+
+def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """Host (or process-local) data -> an array in ``sharding``, on one or several processes.
+
+  With several processes every process holds the same host value (the env loop is replicated)
+  and contributes only its own devices' blocks.
+  """
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    data = np.asarray(jax.random.key_data(x))
+    raw = jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
+    return jax.random.wrap_key_data(raw, impl=jax.random.key_impl(x))
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def fetch(tree: Any) -> Any:
+  """Device arrays -> host numpy on every process (small rollout outputs the env loop needs)."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def batch_shardings(plan: StagePlan, batch: Any) -> Any:
+  return jax.tree.map(lambda x: mesh_lib.batch_sharding(plan, np.ndim(x)), batch)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Any:
+  return jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _advantage_shapes(batch: batches.RolloutBatch) -> batches.AdvantageBatch:
+  zeros = jnp.zeros(batch.tokens_BxT.shape, jnp.float32)
+  scored = batches.ScoredBatch.from_rollout(batch, ref_logps_BxT=zeros, old_logps_BxT=zeros)
+  return batches.AdvantageBatch.from_scored(scored, advantages_BxT=zeros, returns_BxT=zeros)
+
+
+class StageResources:
+  """Plans, programs, weights, KV cache and selector of one run's three stages."""
+
+  def __init__(self, cfg: config_lib.ExperimentConfig, setup: preflight.RunSetup, workdir):
+    self.cfg, self.model_cfg, self.devices = cfg, setup.model_cfg, setup.devices
+    self.tokenizer = setup.tokenizer
+    self.plans: ParallelPlan = setup.plans  # the only copy; ``choose`` replaces it
+    self.optimizer = update.make_optimizer(cfg.optim)
+    self.cache = executables.ExecutableCache()
+    self._init_weights(setup.pretrained_dir)
+    self.kv_cache = self._new_kv_cache()
+    self.selector = None
+    if cfg.parallel.selector:
+      budget = int(cfg.parallel.memory_budget_gib * 2**30) or None  # None: device.memory_stats()
+      self.selector = selector_lib.Selector(
+        self.model_cfg,
+        self.devices,
+        memory_budget_bytes=budget,
+        profile_path=str(pathlib.Path(workdir) / "selector_profile.json"),
+        prompt_chunk=cfg.rollout.chunk_multiple,
+        new_tokens=cfg.rollout.max_new_tokens,
+        logits_chunk=cfg.rl.logp_chunk,
+      )
+
+  def _init_weights(self, pretrained_dir: pathlib.Path | None) -> None:
+    """The policy (train state, update layout) and the frozen reference (reference layout)."""
+    cfg, plan = self.cfg, self.plans[Stage.UPDATE]
+    if pretrained_dir is not None:
+      # Read on the host, then laid out on the update plan (direct sharded loading: follow-up).
+      pretrained = hf_import.load_weights(pretrained_dir, self.model_cfg)
+      graphdef, params = nnx.split(pretrained)
+      model = nnx.merge(graphdef, jax.device_put(params, mesh_lib.state_shardings(params, plan)))
+    else:
+      init = lambda: model_lib.Decoder(self.model_cfg, rngs=nnx.Rngs(cfg.seed))  # noqa: E731
+      model = mesh_lib.create_sharded(init, plan)
+    self.graphdef, params = nnx.split(model)
+    self.abstract_params = _abstract(params)
+    state = update.init_train_state(params, self.optimizer, jax.random.key(cfg.seed))
+    shardings = executables.train_state_shardings(plan, state, self.optimizer)
+    self.state = jax.tree.map(put, state, shardings)
+    self.abstract_state = _abstract(self.state)
+    # The frozen reference must own its buffers: with equal layouts the sync is a no-op that
+    # would alias the policy's parameters, which the update step donates.
+    ref_params, _ = dispatcher.sync_weights(params, self.plans[Stage.REFERENCE])
+    self.ref_params = jax.tree.map(jnp.copy, ref_params)
+
+  def _new_kv_cache(self) -> model_lib.KVCache:
+    rc = self.cfg.rollout
+    init = lambda: model_lib.init_cache(self.model_cfg, rc.num_slots, rc.cache_len())  # noqa: E731
+    shardings = executables.cache_shardings(self.plans[Stage.ROLLOUT], jax.eval_shape(init))
+    return jax.jit(init, out_shardings=shardings)()
+
+  # --- checkpointed state -------------------------------------------------------------------
+
+  def checkpoint_state(self) -> dict[str, Any]:
+    return {"train": self.state, "reference": self.ref_params}
+
+  def load_checkpoint_state(self, restored: dict[str, Any]) -> None:
+    self.state, self.ref_params = restored["train"], restored["reference"]
+
+  # --- programs: one lowering per stage -----------------------------------------------------
+
+  def spec(self, *, evaluation: bool = False) -> engine.GenerationSpec:
+    return engine.GenerationSpec.with_stop_ids(
+      tuple(self.tokenizer.stop_ids),
+      strategy=self.cfg.sampler.make(evaluation=evaluation),
+      max_new_tokens=self.cfg.rollout.max_new_tokens,
+      pad_id=self.tokenizer.pad_id,
+    )
+
+  def _rollout_program(self, plan: StagePlan, spec: engine.GenerationSpec, bucket):
+    cache_len = self.cfg.rollout.cache_len()
+    lower = lambda: executables.lower_generate(  # noqa: E731
+      plan, self.graphdef, self.abstract_params, cache_len, spec, bucket
+    )
+    return self.cache.get(Stage.ROLLOUT, plan, bucket, lower, extra=spec)
+
+  def _score_program(self, plan: StagePlan, bucket: tuple[int, int]):
+    lower = lambda: programs.lower_score(  # noqa: E731
+      plan,
+      self.graphdef,
+      self.abstract_params,
+      bucket,
+      chunk_size=self.cfg.rl.logp_chunk,
+      temperature=self.cfg.sampler.temperature,
+    )
+    return self.cache.get(Stage.REFERENCE, plan, bucket, lower)
+
+  def _update_program(self, plan: StagePlan, abstract_batch: batches.AdvantageBatch):
+    rl = self.cfg.rl
+    loss_fn = objective.Objective(
+      rl.loss,
+      chunk_size=rl.logp_chunk,
+      temperature=self.cfg.sampler.temperature,
+      remat=plan.remat,
+      old_from_new=rl.optimizer_steps == 1,
+      reference_scored=rl.needs_ref_logps,
+    )
+    lower = lambda: programs.lower_update(  # noqa: E731
+      plan,
+      self.graphdef,
+      self.abstract_state,
+      abstract_batch,
+      loss_fn=loss_fn,
+      optimizer=self.optimizer,
+      totals_fn=loss_fn.totals,
+      num_mini_batches=rl.mini_batches,
+      num_epochs=rl.ppo_epochs,
+    )
+    return self.cache.get(Stage.UPDATE, plan, abstract_batch.tokens_BxT.shape, lower)
+
+  def compiled(self, stage: Stage, plan: StagePlan, batch: batches.RolloutBatch | None):
+    """``stage``'s compiled program on ``plan`` (for memory checks; the stage methods run it)."""
+    if stage is Stage.ROLLOUT:
+      bucket = (self.cfg.rollout.num_slots, self.cfg.rollout.chunk_multiple)
+      return self._rollout_program(plan, self.spec(), bucket)
+    if stage is Stage.REFERENCE:
+      return self._score_program(plan, batch.tokens_BxT.shape)
+    return self._update_program(plan, _abstract(jax.eval_shape(lambda: _advantage_shapes(batch))))
+
+  # --- the stages ---------------------------------------------------------------------------
+
+  def rollout_weights(self) -> tuple[nnx.State, dispatcher.DispatchStats]:
+    """The weight sync: the policy's parameters on the rollout layout."""
+    return dispatcher.sync_weights(self.state.params, self.plans[Stage.ROLLOUT], account=True)
+
+  def rollout(
+    self,
+    params: nnx.State,
+    episodes: list[rollout.EpisodeSpec],
+    envs: list[Any],
+    fmt: Any,
+    rng: jax.Array,
+    *,
+    evaluation: bool = False,
+  ) -> rollout.RolloutResult:
+    """Plays ``episodes`` on ``envs`` with ``params`` (from ``rollout_weights``)."""
+    generate = self._generate_fn(params, self.spec(evaluation=evaluation))
+    result, self.kv_cache = rollout.run_rollout(
+      generate,
+      self.kv_cache,
+      envs,
+      fmt,
+      episodes,
+      self.cfg.rollout,
+      rng,
+      pad_id=self.tokenizer.pad_id,
+    )
+    return result
+
+  def _generate_fn(self, params: nnx.State, spec: engine.GenerationSpec):
+    plan = self.plans[Stage.ROLLOUT]
+    row2, row1 = mesh_lib.batch_sharding(plan, 2), mesh_lib.batch_sharding(plan, 1)
+    rep = executables.replicated(plan)
+
+    def generate(kv_cache, prompt, mask, positions, active, rng):
+      program = self._rollout_program(plan, spec, prompt.shape)
+      host = [put(x, s) for x, s in zip((prompt, mask, positions, active), (row2,) * 3 + (row1,))]
+      out, kv_cache = program(params, kv_cache, *host, put(rng, rep))
+      return fetch(out), kv_cache
+
+    return generate
+
+  def score(self, batch: batches.RolloutBatch) -> batches.ScoredBatch:
+    """The rollout batch on the reference layout with the log-probs the objective reads.
+
+    pi_old is scored only when something reads it (several optimiser steps, or KL in the
+    reward); with one step the objective uses stop_gradient(new log-probs) instead. An unread
+    field is zeros made on the devices.
+    """
+    rl, plan = self.cfg.rl, self.plans[Stage.REFERENCE]
+    rb = jax.tree.map(put, batch, batch_shardings(plan, batch))
+    program = self._score_program(plan, rb.tokens_BxT.shape)
+    args = (rb.tokens_BxT, rb.positions_BxT, rb.valid_BxT)
+    old = ref = None
+    if rl.needs_old_logps:
+      policy_params, _ = dispatcher.sync_weights(self.state.params, plan)
+      old = program(policy_params, *args)
+    if rl.needs_ref_logps:
+      ref = program(self.ref_params, *args)
+    if old is None or ref is None:
+      unread = _zeros(rb.tokens_BxT.shape, mesh_lib.batch_sharding(plan, 2))()
+    return batches.ScoredBatch.from_rollout(
+      rb,
+      ref_logps_BxT=unread if ref is None else ref,
+      old_logps_BxT=unread if old is None else old,
+    )
+
+  def to_update(self, batch: Any, lengths_B: np.ndarray) -> tuple[Any, dispatcher.DispatchStats]:
+    """A batch on the reference layout -> the update layout, device to device."""
+    dst = batch_shardings(self.plans[Stage.UPDATE], batch)
+    return dispatcher.dispatch(batch, dst, lengths_B=lengths_B, account=True)
+
+  def update(self, batch: batches.AdvantageBatch) -> dict[str, jax.Array]:
+    """One optimiser step (the train state is donated and replaced); returns its metrics on
+    device, unfetched."""
+    program = self._update_program(self.plans[Stage.UPDATE], _abstract(batch))
+    self.state, metrics = program(self.state, batch)
+    return metrics
+
+  # --- the parallelism selector -------------------------------------------------------------
+
+  def choose(self, stage: Stage, load: int, length: int, step: int, batch=None) -> None:
+    """Asks the selector for ``stage``'s plan at this load and context length; moves the stage's
+    state when the plan changes. A no-op without a selector."""
+    if self.selector is None:
+      return
+    decision = self.selector.choose(
+      stage,
+      load=load,
+      bucket=selector_lib.bucket_for(length, self.cfg.rollout.seq_multiple),
+      compiled_memory=lambda plan: self.compiled(stage, plan, batch).memory,
+      step=step,
+    )
+    if decision.plan != self.plans[stage]:
+      self._relayout(stage, decision.plan)
+
+  def _relayout(self, stage: Stage, plan: StagePlan) -> None:
+    """Adopts ``plan`` for ``stage``: its state moves there on device (no host round trip)."""
+    self.plans = ParallelPlan.of({**dict(self.plans), stage: plan})
+    if stage is Stage.ROLLOUT:
+      self.kv_cache = self._new_kv_cache()  # every slot is reset at its first episode anyway
+    elif stage is Stage.REFERENCE:
+      self.ref_params, _ = dispatcher.sync_weights(self.ref_params, plan)
+    else:
+      shardings = executables.train_state_shardings(plan, self.state, self.optimizer)
+      self.state, _ = dispatcher.dispatch(self.state, shardings)
