@@ -12,6 +12,7 @@ Resume is exact: every random choice of step k (sampling key, environment seeds)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import time
@@ -149,8 +150,12 @@ class Trainer:
       for _ in range(rl.group_size)
     ]
 
-  def train_step(self, step: int, timer: metrics_lib.StageTimer) -> dict[str, Any]:
-    """One RL step; returns host scalars (the update's metrics are fetched last)."""
+  def train_step(
+    self, step: int, timer: metrics_lib.StageTimer
+  ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+    """One RL step, dispatched: host scalars (rollout, dispatch) and the update's metrics and
+    learning rate as device arrays, not waited for (``_RowLog.finish`` fetches them a step
+    later)."""
     cfg, stages = self.cfg, self.stages
     rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
     if stages.selector is not None:
@@ -174,13 +179,13 @@ class Trainer:
       # The update donates the train state: a checkpoint still reading it must finish first
       # (its disk writes overlapped with this step's rollout).
       self.checkpointer.wait()
-      upd = jax.device_get(stages.update(adv))
+      update_metrics = stages.update(adv)
     out = loop_stats.rollout_scalars(result)
-    out.update({f"update/{k}": float(v) for k, v in upd.items()})
     out.update(loop_stats.dispatch_scalars(dispatch_stats, "dispatch"))
     out.update(loop_stats.dispatch_scalars(sync_stats, "sync"))
-    out["lr"] = float(update.learning_rate_schedule(cfg.optim)(step * cfg.rl.optimizer_steps))
-    return out
+    on_device = {f"update/{k}": v for k, v in update_metrics.items()}
+    on_device["lr"] = update.learning_rate_schedule(cfg.optim)(step * cfg.rl.optimizer_steps)
+    return out, on_device
 
   def evaluate(self, step: int) -> dict[str, float]:
     """Greedy episodes on each of the env's evaluation suites (it names them)."""
@@ -255,46 +260,39 @@ class Trainer:
       self.close()
 
   def _train(self, ckpt: checkpoint_lib.Checkpointer, writer: metrics_lib.MetricsWriter):
+    """The step loop. Step k's update metrics are fetched after step k+1 is dispatched (its
+    rollout needs the updated weights anyway), so the host never waits for them; its row is
+    written, and a non-finite streak acted on, then."""
     cfg = self.cfg
     writer.write_event(self.start_step, "plan", {"plan": self.plans.describe()})
     if self.stages.selector is not None:
       self.stages.selector.metrics = writer  # every decision goes to events.jsonl
-    progress = metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step)
+    log = _RowLog(cfg, writer, metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step))
     profile = metrics_lib.ProfileWindow(cfg.train.profile_steps, self.workdir / "profile")
-    rows, timer = [], metrics_lib.StageTimer()
+    timer, pending = metrics_lib.StageTimer(), None
     try:
       for step in range(self.start_step, cfg.train.num_steps):
         ckpt.check()  # a failed background write stops the run here, once, with its cause
-        start = time.perf_counter()
         profile.begin(step)
-        scalars = self.train_step(step, timer)
+        row = self._step(step, timer)
         profile.end(step)
-        last = step == cfg.train.num_steps - 1
-        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-          with timer("eval"):
-            scalars.update(self.evaluate(step))
-        scalars.update(timer.summary(reset=True))
-        scalars["time/step"] = time.perf_counter() - start
-        scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
-        scalars["compilations"] = self.stages.cache.compilations
-        streak = int(scalars.get("update/nonfinite_streak", 0))
-        diverged = streak >= cfg.train.max_nonfinite_steps
-        if step % cfg.train.log_every == 0 or last or diverged or "eval/" in "".join(scalars):
-          writer.write(step, scalars)
-          rows.append({"step": step, **scalars})
-        progress.update(step + 1, scalars)
-        meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
+        streak = log.finish(pending) if pending else 0
+        pending, last = row, step == cfg.train.num_steps - 1
         stop = _any_process(checkpoint_lib.preempted())
-        # Skipped updates leave the weights and moments as they were: this is the last good state.
-        ckpt.save(
-          step, state=self.stages.checkpoint_state(), meta=meta, force=last or stop or diverged
-        )
-        if diverged:
+        diverged = streak >= cfg.train.max_nonfinite_steps
+        # Skipped updates leave the weights and moments as they were, and a finite update gives
+        # finite ones: the state after this step is a good one to save and stop on.
+        meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
+        state = self.stages.checkpoint_state()
+        ckpt.save(step, state=state, meta=meta, force=last or stop or diverged)
+        if last or stop or diverged:
+          streak, pending = max(streak, log.finish(pending)), None
+        if diverged or streak >= cfg.train.max_nonfinite_steps:
           ckpt.wait()
           raise NonFiniteError(
             f"the last {streak} optimiser steps had non-finite gradients and were skipped "
             f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}; loss "
-            f"{scalars.get('update/loss')}); the last good state is checkpoint step {step} in "
+            f"{log.last.get('update/loss')}); the last good state is checkpoint step {step} in "
             f"{ckpt.directory}. Lower optim.learning_rate or check the rewards, then resume with "
             "--allow_config_change"
           )
@@ -304,8 +302,54 @@ class Trainer:
           break
     finally:
       profile.close()
-      progress.close()  # the bar ends its line before any error message
-    return rows
+      log.progress.close()  # the bar ends its line before any error message
+    return log.rows
+
+  def _step(self, step: int, timer: metrics_lib.StageTimer) -> _Row:
+    """One train step (and its evaluation, if due), dispatched; timings measured on the host."""
+    cfg, start = self.cfg, time.perf_counter()
+    scalars, on_device = self.train_step(step, timer)
+    last = step == cfg.train.num_steps - 1
+    if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+      with timer("eval"):
+        scalars.update(self.evaluate(step))
+    scalars.update(timer.summary(reset=True))
+    scalars["time/step"] = time.perf_counter() - start
+    scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
+    scalars["compilations"] = self.stages.cache.compilations
+    return _Row(step, scalars, on_device)
+
+
+@dataclasses.dataclass
+class _Row:
+  """A step's metrics: host scalars, and the update's metrics still on device."""
+
+  step: int
+  scalars: dict[str, Any]
+  on_device: dict[str, jax.Array]  # full metric names
+
+
+class _RowLog:
+  """Finishes rows: fetches the update metrics, writes the row (when due), moves the bar."""
+
+  def __init__(self, cfg, writer: metrics_lib.MetricsWriter, progress: metrics_lib.Progress):
+    self.cfg, self.writer, self.progress = cfg, writer, progress
+    self.rows: list[dict[str, Any]] = []
+    self.last: dict[str, Any] = {}
+
+  def finish(self, row: _Row) -> int:
+    """Writes ``row``; returns its non-finite streak (optimiser steps skipped in a row)."""
+    train = self.cfg.train
+    scalars = dict(row.scalars)
+    scalars.update({k: float(v) for k, v in jax.device_get(row.on_device).items()})
+    streak = int(scalars.get("update/nonfinite_streak", 0))
+    due = row.step % train.log_every == 0 or row.step == train.num_steps - 1
+    if due or streak >= train.max_nonfinite_steps or "eval/" in "".join(scalars):
+      self.writer.write(row.step, scalars)
+      self.rows.append({"step": row.step, **scalars})
+    self.progress.update(row.step + 1, scalars)
+    self.last = scalars
+    return streak
 
 
 class NonFiniteError(RuntimeError):

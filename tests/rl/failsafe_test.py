@@ -213,13 +213,15 @@ def test_nan_gradients_are_counted_then_stop_the_run_with_the_last_good_state(
   cfg = _with(tiny_config(num_steps=10, eval_every=0), train__max_nonfinite_steps=3)
   trainer = loop.Trainer(cfg, tmp_path)
   before = jax.tree.map(np.asarray, trainer.state.params)
-  with pytest.raises(loop.NonFiniteError, match=r"last 3 optimiser steps had non-finite"):
+  # Step k's metrics are read after step k+1 is dispatched: the streak of 3 (step 2) is seen
+  # during step 3, whose state (also skipped) is saved before the run stops with both rows.
+  with pytest.raises(loop.NonFiniteError, match=r"last 4 optimiser steps had non-finite"):
     trainer.run()
   rows = metrics_lib.read_metrics(tmp_path)
-  assert [r["update/nonfinite_streak"] for r in rows] == [1, 2, 3]
-  assert [r["update/skipped_updates"] for r in rows] == [1, 2, 3]
+  assert [r["update/nonfinite_streak"] for r in rows] == [1, 2, 3, 4]
+  assert [r["update/skipped_updates"] for r in rows] == [1, 2, 3, 4]
   ckpt = checkpoint_lib.Checkpointer(tmp_path / "checkpoints", save_every=1, keep=2)
-  assert ckpt.latest_step() == 2
+  assert ckpt.latest_step() == 3
   ckpt.close()
   # The saved state is the trainer's, whose weights the skipped steps left untouched.
   after = jax.tree.map(np.asarray, trainer.state.params)

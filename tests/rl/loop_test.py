@@ -13,7 +13,7 @@ import pytest
 
 from earl_jax import config_lib
 from earl_jax import metrics as metrics_lib
-from earl_jax.rl import loop
+from earl_jax.rl import loop, stages
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Wall-clock and compile counters legitimately differ between runs; everything else must not.
@@ -46,12 +46,20 @@ def _stable(rows):
 
 
 @pytest.mark.slow
-def test_two_steps_end_to_end(tmp_path):
+def test_two_steps_end_to_end(tmp_path, monkeypatch):
   cfg = tiny_config(profile_steps=(1,))
   trainer = loop.Trainer(cfg, tmp_path)
   assert trainer.plans.describe()
+  order = []
+  update, finish = stages.StageResources.update, loop._RowLog.finish
+  monkeypatch.setattr(
+    stages.StageResources, "update", lambda s, b: order.append("update") or update(s, b)
+  )
+  monkeypatch.setattr(loop._RowLog, "finish", lambda s, r: order.append(r.step) or finish(s, r))
   rows = trainer.run()
   assert [r["step"] for r in rows] == [0, 1]
+  # Step 0's metrics are fetched only after step 1's update is dispatched.
+  assert order == ["update", "update", 0, 1]
   for r in rows:
     assert r["dispatch/bytes_through_host"] == 0 and r["sync/bytes_through_host"] == 0
     assert 0.0 <= r["eval/random/win_rate"] <= 1.0
