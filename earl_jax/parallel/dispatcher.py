@@ -41,18 +41,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from earl_jax.parallel import blocks
-from earl_jax.parallel.balance import balance_permutation, inverse_permutation, tokens_per_shard
 from earl_jax.parallel.mesh import state_shardings
 from earl_jax.parallel.plan import StagePlan
 
-__all__ = [
-  "DispatchError",
-  "DispatchStats",
-  "balance_permutation",
-  "dispatch",
-  "inverse_permutation",
-  "sync_weights",
-]
+__all__ = ["DispatchError", "DispatchStats", "dispatch", "sync_weights"]
 
 
 class DispatchError(ValueError):
@@ -66,15 +58,13 @@ class DispatchStats:
 
   mode: str
   bytes_total: int  # logical size of the tree
-  bytes_through_host: int  # counted: host gathers + scatters (centralized), uploads (direct)
+  bytes_through_host: int  # counted copies (centralized); 0 in direct mode, where the host is
+  # shut out (a host transfer raises)
   routes: tuple[tuple[str, str], ...]  # (leaf path, route)
   seconds: float | None = None  # wall time to ready arrays; only with measure=True
-  metadata_bytes_from_host: int = 0  # the uploaded permutation, if any
   bytes_moved: int | None = None  # bytes that changed device (over all hops); account=True
   bytes_busiest_process: int | None = None  # max over processes of bytes sent or received
   num_transfers: int | None = None  # device-to-device pieces, or host copies (centralized)
-  tokens_per_shard_before: tuple[int, ...] = ()
-  tokens_per_shard_after: tuple[int, ...] = ()
 
   def route_counts(self) -> dict[str, int]:
     counts: dict[str, int] = {}
@@ -343,9 +333,7 @@ class _HostCounter:
     return jax.make_array_from_callback(host.shape, dst, block, dtype=host.dtype)
 
 
-def _move_centralized(
-  x: jax.Array, dst: Sharding, perm_B: np.ndarray | None, counter: _HostCounter
-) -> jax.Array:
+def _move_centralized(x: jax.Array, dst: Sharding, counter: _HostCounter) -> jax.Array:
   """Single-controller baseline: the leaf to the host as numpy, then a host scatter."""
   if x.is_fully_addressable:
     host = counter.fetch(x)
@@ -358,12 +346,10 @@ def _move_centralized(
     )
     replicated, _ = _move_direct(x, everywhere)
     host = counter.fetch(replicated.addressable_shards[0].data)
-  if perm_B is not None:
-    host = host[perm_B]
   return counter.scatter(host, dst)
 
 
-def _check_leaves(leaves: list[Any], dsts: list[Any], perm_B: np.ndarray | None) -> None:
+def _check_leaves(leaves: list[Any], dsts: list[Any]) -> None:
   if len(leaves) != len(dsts):
     raise DispatchError(f"tree has {len(leaves)} leaves but dst_shardings has {len(dsts)}")
   for i, (x, dst) in enumerate(zip(leaves, dsts)):
@@ -373,36 +359,6 @@ def _check_leaves(leaves: list[Any], dsts: list[Any], perm_B: np.ndarray | None)
       dst.shard_shape(x.shape)
     except ValueError as e:
       raise DispatchError(f"leaf {i} of shape {x.shape} does not divide {dst}: {e}") from None
-    if perm_B is not None and (x.ndim == 0 or x.shape[0] != perm_B.shape[0]):
-      raise DispatchError(
-        f"leaf {i} has shape {x.shape}; permutation= needs every leaf to lead with the batch "
-        f"dimension B={perm_B.shape[0]}"
-      )
-
-
-def _apply_permutation(ys: list[jax.Array], perm_B: np.ndarray) -> tuple[list[jax.Array], int]:
-  """On-device gather along the batch axis; the int32 permutation is the only upload (its bytes
-  are returned, counted per upload)."""
-  uploaded: dict[Any, jax.Array] = {}
-  out = []
-  for y in ys:
-    named = blocks.as_named(y.sharding)
-    if named.mesh not in uploaded:
-      with jax.transfer_guard("allow"):  # host metadata, B int32 values, by design
-        uploaded[named.mesh] = jax.device_put(perm_B, NamedSharding(named.mesh, PartitionSpec()))
-    with jax.transfer_guard_device_to_device("allow"):
-      out.append(_gather(y.sharding)(y, uploaded[named.mesh]))
-  return out, len(uploaded) * perm_B.nbytes
-
-
-def _permutation_cost(ys: list[jax.Array], perm_B: np.ndarray) -> blocks.MoveCost:
-  """Rows that leave their shard: every byte of a shard-crossing row moves once."""
-  cost = blocks.MoveCost()
-  for y in ys:
-    rows = y.shape[0] // max(1, len({b[0] for b in blocks.block_map(y.sharding, y.shape).values()}))
-    crossing = int(np.sum(perm_B // rows != np.arange(perm_B.shape[0]) // rows))
-    cost.bytes_moved += crossing * (y.nbytes // y.shape[0])
-  return cost
 
 
 def dispatch(
@@ -410,8 +366,6 @@ def dispatch(
   dst_shardings: Any,
   *,
   mode: str = "direct",
-  permutation: np.ndarray | None = None,
-  lengths_B: np.ndarray | None = None,
   account: bool = False,
   measure: bool = False,
 ) -> tuple[Any, DispatchStats]:
@@ -424,48 +378,39 @@ def dispatch(
     tree: pytree of jax.Array (an nnx.State works).
     dst_shardings: pytree of Sharding with the tree's structure.
     mode: "direct" (host-free routes) or "centralized" (host baseline, benchmarks/tests only).
-    permutation: optional ``perm_B``; the result holds ``leaf[perm_B]`` for every leaf (all lead
-      with the batch axis). Undo with ``inverse_permutation(perm_B)``.
-    lengths_B: optional real-token counts per sample, to report tokens per destination shard.
     account: fill the device-side byte accounting (``bytes_moved``, ``bytes_busiest_process``,
       ``num_transfers``), computed from the shardings and cached per (source, target, shape);
       ``None`` in the stats otherwise.
     measure: block until the moved arrays are ready and report ``seconds`` (``None`` otherwise).
 
   Returns:
-    (moved tree, DispatchStats). ``bytes_through_host`` is counted as bytes are copied: the
-    centralized mode's gathers and scatters; in direct mode only uploaded metadata (the
-    permutation), since the host is shut out of the moves (a host fallback raises).
+    (moved tree, DispatchStats). ``bytes_through_host`` is counted as bytes are copied in the
+    centralized mode; the direct mode runs with host transfers disallowed (a host fallback
+    raises instead of copying), so its 0 is enforced, not assumed.
   """
   if mode not in ("direct", "centralized"):
     raise DispatchError(f"mode={mode!r}; allowed: 'direct', 'centralized'")
-  perm_B = None if permutation is None else np.asarray(permutation, dtype=np.int32)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   leaves = [x for _, x in leaves_with_path]
   dsts = treedef.flatten_up_to(dst_shardings)
-  _check_leaves(leaves, dsts, perm_B)
+  _check_leaves(leaves, dsts)
   start = time.perf_counter()
   if mode == "centralized":
     counter = _HostCounter()
-    out = [_move_centralized(x, dst, perm_B, counter) for x, dst in zip(leaves, dsts)]
+    out = [_move_centralized(x, dst, counter) for x, dst in zip(leaves, dsts)]
     routes = tuple((jax.tree_util.keystr(p), "host") for p, _ in leaves_with_path)
     host_bytes, cost = counter.bytes, None
     if account:
       cost = blocks.MoveCost(host_bytes, counter.transfers, {jax.process_index(): host_bytes})
   else:
     moved = [_move_direct(x, dst) for x, dst in zip(leaves, dsts)]
-    out = [y for y, _ in moved]
-    host_bytes = 0
-    if perm_B is not None:
-      out, host_bytes = _apply_permutation(out, perm_B)
+    out, host_bytes = [y for y, _ in moved], 0
     routes = tuple((jax.tree_util.keystr(p), r) for (p, _), (_, r) in zip(leaves_with_path, moved))
     cost = None
     if account:
       cost = blocks.MoveCost()
       for x, dst, (_, route) in zip(leaves, dsts, moved):
         cost.add(_leaf_cost(x.sharding, dst, x.shape, x.dtype.itemsize, route))
-      if perm_B is not None:
-        cost.add(_permutation_cost(out, perm_B))
   seconds = None
   if measure:
     jax.block_until_ready(out)
@@ -476,30 +421,11 @@ def dispatch(
     bytes_through_host=host_bytes,
     routes=routes,
     seconds=seconds,
-    metadata_bytes_from_host=host_bytes if mode == "direct" else 0,
     bytes_moved=None if cost is None else cost.bytes_moved,
     bytes_busiest_process=None if cost is None else max(cost.bytes_by_process.values(), default=0),
     num_transfers=None if cost is None else cost.transfers,
   )
-  if lengths_B is not None and dsts:
-    stats = _with_tokens(stats, np.asarray(lengths_B), perm_B, dsts[0], leaves[0].shape)
   return jax.tree_util.tree_unflatten(treedef, out), stats
-
-
-def _with_tokens(
-  stats: DispatchStats,
-  lengths_B: np.ndarray,
-  perm_B: np.ndarray | None,
-  dst: Sharding,
-  shape: tuple[int, ...],
-) -> DispatchStats:
-  num_shards = len({b[0] for b in blocks.block_map(dst, shape).values()})
-  after_B = lengths_B if perm_B is None else lengths_B[perm_B]
-  return dataclasses.replace(
-    stats,
-    tokens_per_shard_before=tokens_per_shard(lengths_B, num_shards),
-    tokens_per_shard_after=tokens_per_shard(after_B, num_shards),
-  )
 
 
 def sync_weights(

@@ -173,8 +173,7 @@ class Trainer:
     with timer("reference"):
       adv = self._advantages(stages.score(result.batch))
     with timer("dispatch"):
-      lengths = np.asarray(result.batch.valid_BxT.sum(axis=1))
-      adv, dispatch_stats = stages.to_update(adv, lengths)
+      adv, dispatch_stats = stages.to_update(adv)
     with timer("update"):
       # The update donates the train state: a checkpoint still reading it must finish first
       # (its disk writes overlapped with this step's rollout).

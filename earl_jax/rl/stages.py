@@ -274,10 +274,10 @@ class StageResources:
       old_logps_BxT=unread if old is None else old,
     )
 
-  def to_update(self, batch: Any, lengths_B: np.ndarray) -> tuple[Any, dispatcher.DispatchStats]:
+  def to_update(self, batch: Any) -> tuple[Any, dispatcher.DispatchStats]:
     """A batch on the reference layout -> the update layout, device to device."""
     dst = batch_shardings(self.plans[Stage.UPDATE], batch)
-    return dispatcher.dispatch(batch, dst, lengths_B=lengths_B, account=True)
+    return dispatcher.dispatch(batch, dst, account=True)
 
   def update(self, batch: batches.AdvantageBatch) -> dict[str, jax.Array]:
     """One optimiser step (the train state is donated and replaced); returns its metrics on

@@ -129,25 +129,6 @@ def test_centralized_mode_goes_through_host():
     dispatcher.dispatch([x], [dst], mode="centralized")
 
 
-def test_balanced_permutation_is_applied_on_device():
-  lengths_B = np.array([50, 1, 2, 40, 3, 30, 4, 5], np.int32)
-  perm_B = dispatcher.balance_permutation(lengths_B, 2)
-  assert sorted(perm_B.tolist()) == list(range(8))
-  src_plan = plan_lib.make_stage_plan(Stage.ROLLOUT, range(4), 4, 1, 1)
-  dst_plan = plan_lib.make_stage_plan(Stage.UPDATE, range(4, 8), 1, 2, 2)
-  tokens_BxT = np.arange(8 * 6, dtype=np.int32).reshape(8, 6)
-  x = jax.device_put(tokens_BxT, mesh_lib.batch_sharding(src_plan, 2, 8))
-  dst = mesh_lib.batch_sharding(dst_plan, 2, 8)
-  with jax.transfer_guard("disallow_explicit"):
-    (y,), stats = dispatcher.dispatch([x], [dst], permutation=perm_B, lengths_B=lengths_B)
-  np.testing.assert_array_equal(np.asarray(y), tokens_BxT[perm_B])
-  np.testing.assert_array_equal(np.asarray(y)[dispatcher.inverse_permutation(perm_B)], tokens_BxT)
-  assert y.sharding == dst and stats.metadata_bytes_from_host == perm_B.nbytes
-  assert stats.tokens_per_shard_before == (93, 42)
-  after = stats.tokens_per_shard_after
-  assert after == (62, 73)  # optimal with 4 rows per shard: 50 needs the three next-smallest
-
-
 def test_weight_sync_update_to_rollout_keeps_logits():
   cfg = ModelConfig(
     vocab_size=50,
