@@ -1,11 +1,15 @@
 """Selector benchmark (issue #6): per-bucket plan choice vs fixed plans on 8 CPU devices, a run
 with growing context, and the paper-scale projection of the analytic model.
 
-  (a) sweep context x load for rollout, reference and update; every fixed plan (whole batch at
-      once) is timed or reported OOM (its compiled peak exceeds the simulated budget), next to the
-      selector (profiling pass, compiled-memory check, then the chosen plan timed again).
-  (b) a rollout whose context grows step by step: total time of the adaptive selector (switch
-      costs included) vs each fixed plan.
+  (a) sweep context x load for rollout, reference and update. The fixed plans are every mesh with
+      the same micro-batch options the selector has (whole batch, or two waves / two accumulated
+      micro-batches), all timed in one interleaved pass. Three simulated per-device budgets per
+      stage, from the fixed plans' compiled peaks at the largest cell: "loose" (every fixed plan
+      fits), "median" (half of them do) and "tight" (only the leanest does). Under each budget the
+      selector (its own profiling pass, compiled-memory check) is compared with the best fixed
+      plan that fits, both read from the same measurements.
+  (b) a rollout whose context grows step by step, under the median budget: total time of the
+      adaptive selector (switch costs included) vs each fixed plan (micro-batch options included).
   (c) Qwen2.5-72B rollout on 128 x 80 GB from the analytic model: TP=4 (32 engines) vs TP=8
       (16 engines), next to the paper's Fig. 3 cells.
 
@@ -37,7 +41,7 @@ from earl_jax.parallel import executables as ex
 from earl_jax.parallel import memory_model as mm
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel import selector as sel
-from earl_jax.parallel.plan import StagePlan, make_stage_plan
+from earl_jax.parallel.plan import ShardingError, StagePlan, make_stage_plan, validate_for_model
 from earl_jax.parallel.presets import PRESETS
 from earl_jax.rl import programs, reference, update
 from earl_jax.sampler import engine
@@ -166,7 +170,7 @@ def _batch_abstract(b: int, t: int) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def _loss(remat: str) -> update.LossFn:
-  def loss_fn(m: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
+  def loss_fn(m: nnx.Module, batch: dict, totals: Any) -> tuple[jax.Array, dict]:
     logps_BxT, _ = reference.token_logps(
       m, batch["tokens"], batch["positions"], batch["valid"], chunk_size=CHUNK, remat=remat
     )
@@ -175,17 +179,34 @@ def _loss(remat: str) -> update.LossFn:
   return loss_fn
 
 
-def _fixed(stage: Stage) -> list[StagePlan]:
-  return [make_stage_plan(stage, range(8), *m) for m in MESHES[stage]]
+def _fixed(stage: Stage, load: int) -> list[StagePlan]:
+  """Every benchmark mesh, whole batch or two waves (the selector's micro_batch_splits=(1, 2))."""
+  out = []
+  for m in MESHES[stage]:
+    for mb in (0, load // 2):
+      plan = make_stage_plan(stage, range(8), *m, micro_batch_size=mb)
+      try:
+        validate_for_model(plan, CFG, batch_size=mb or load)
+      except ShardingError:
+        continue
+      out.append(plan)
+  return out
 
 
-def budgets(bench: Bench) -> dict[Stage, int]:
-  """Per stage: the median compiled peak of the fixed plans at the longest bucket and load, so
-  the long buckets do not fit every fixed plan (the simulated per-device limit)."""
+def _name(plan: StagePlan) -> str:
+  return f"{'x'.join(map(str, plan.mesh_shape))}/mb{plan.micro_batch_size}"
+
+
+BUDGETS = ("loose", "median", "tight")
+
+
+def budgets(bench: Bench) -> dict[Stage, dict[str, int]]:
+  """Per stage: simulated per-device limits from the fixed plans' compiled peaks at the longest
+  bucket and largest load (max: all fit; median: half do; min: only the leanest does)."""
   out = {}
   for stage, (lengths, loads) in SWEEP.items():
-    peaks = [bench.peak(p, max(loads), max(lengths)) for p in _fixed(stage)]
-    out[stage] = int(statistics.median(peaks))
+    peaks = [bench.peak(p, max(loads), max(lengths)) for p in _fixed(stage, max(loads))]
+    out[stage] = dict(zip(BUDGETS, (max(peaks), int(statistics.median(peaks)), min(peaks))))
   return out
 
 
@@ -193,30 +214,34 @@ def _fmt(t: tuple[float, float, float] | None) -> str:
   return "OOM" if t is None else f"{t[0]:9.0f} [{t[1]:.0f}-{t[2]:.0f}]"
 
 
-def part_a(bench: Bench, selectors: dict[Stage, sel.Selector]) -> None:
-  print("\n(a) tokens/s median [min-max] per fixed plan (mesh data,fsdp,tensor; whole batch) and")
-  print("    the selector's plan; OOM = compiled peak > simulated budget. Median of the measuring")
-  print("    pass; [min-max] over the profiling and measuring passes. ok: selector max >= best")
-  print("    fixed min (never worse than the best fixed plan by more than the spread).")
+def part_a(bench: Bench, selectors: dict[Stage, dict[str, sel.Selector]]) -> None:
+  print("\n(a) tokens/s median [min-max] over the interleaved measuring pass and the profiling")
+  print("    pass. Per budget: how many fixed plans fit, the best of them, the selector's plan.")
+  print("    ok: selector max >= best fixed min (never worse than the best fitting fixed plan by")
+  print("    more than the spread).")
   for stage, (lengths, loads) in SWEEP.items():
-    s, start = selectors[stage], time.perf_counter()
-    heads = "  ".join(f"{'x'.join(map(str, m)):>22s}" for m in MESHES[stage])
-    print(
-      f"\n{stage.value}: budget {s.budget / 2**20:.1f} MiB/device\n ctx load  {heads}  selector"
-    )
+    start, by_budget = time.perf_counter(), selectors[stage]
+    limits = ", ".join(f"{n} {s.budget / 2**20:.2f}" for n, s in by_budget.items())
+    print(f"\n{stage.value}: budgets MiB/device: {limits}")
     for length in lengths:
       for load in loads:
-        fits = [p for p in _fixed(stage) if bench.peak(p, load, length) <= s.budget]
-        d = _selector_cell(bench, s, stage, load, length)
-        measured = bench.timed(list(dict.fromkeys([*fits, d.plan])), load, length)
-        measured = {p: _with_profile(s, stage, length, load, p, t) for p, t in measured.items()}
-        fixed = [measured.get(p) for p in _fixed(stage)]
-        t = measured[d.plan]
-        best = max((f for f in fixed if f), key=lambda f: f[0], default=None)
-        ok = "ok" if best is None or t[2] >= best[1] else "WORSE"
-        row = "  ".join(f"{_fmt(f):>22s}" for f in fixed)
-        desc = f"{'x'.join(map(str, d.plan.mesh_shape))} mb={d.plan.micro_batch_size}"
-        print(f"{length:5d} {load:3d}  {row}  {desc:>12s} {_fmt(t)} {ok}", flush=True)
+        fixed = _fixed(stage, load)
+        measured = bench.timed(fixed, load, length)
+        for name, s in by_budget.items():
+          d = _selector_cell(bench, s, stage, load, length, profile=name == BUDGETS[0])
+          if d.plan not in measured:
+            measured.update(bench.timed([d.plan], load, length))
+          cell = {p: _with_profile(s, stage, length, load, p, t) for p, t in measured.items()}
+          fits = [p for p in fixed if bench.peak(p, load, length) <= s.budget]
+          best = max(fits, key=lambda p: cell[p][0], default=None)
+          t = cell[d.plan]
+          ok = "ok" if best is None or t[2] >= cell[best][1] else "WORSE"
+          best_txt = "none fits" if best is None else f"{_name(best):>11s} {_fmt(cell[best])}"
+          print(
+            f"{length:5d} {load:3d} {name:>6s}: {len(fits)}/{len(fixed)} fixed fit, best "
+            f"{best_txt} | selector {_name(d.plan):>11s} {_fmt(t)} {ok}",
+            flush=True,
+          )
     print(f"  ({stage.value}: {time.perf_counter() - start:.0f} s)")
 
 
@@ -230,10 +255,11 @@ def _with_profile(
 
 
 def _selector_cell(
-  bench: Bench, s: sel.Selector, stage: Stage, load: int, length: int
+  bench: Bench, s: sel.Selector, stage: Stage, load: int, length: int, *, profile: bool
 ) -> sel.Decision:
   """Profiling pass (EARL's method) over the candidates on the benchmark meshes that the memory
-  model does not rule out, each checked against its compiled memory first; then the choice."""
+  model does not rule out, each checked against its compiled memory first; then the choice.
+  The selectors of one stage share their profile table, so only the first budget profiles."""
   peak = lambda p: bench.program(p, bench.wave(p, load), length).memory  # noqa: E731
   cands = [c.plan for c in s.ranked(stage, load=load, bucket=length, will_compile=True)[0]]
   cands = [p for p in cands if p.mesh_shape in MESHES[stage]]
@@ -243,7 +269,8 @@ def _selector_cell(
       s.mark_infeasible(stage, length, plan, load=load, reason="compiled peak > budget")
     else:
       fits.append(plan)
-  s.profile(stage, length, fits, lambda p: bench.run(p, load, length), load=load, repeats=2)
+  if profile:
+    s.profile(stage, length, fits, lambda p: bench.run(p, load, length), load=load, repeats=2)
   return s.choose(stage, load=load, bucket=length, compiled_memory=peak)
 
 
@@ -251,15 +278,15 @@ def part_b(bench: Bench, selector: sel.Selector, load: int) -> None:
   """A rollout whose context grows like a multi-turn run; every step really runs."""
   schedule = [256] * 3 + [2048] * 3 + [8192] * 3
   print(f"\n(b) rollout, load {load}, context per step {schedule}")
-  for plan in _fixed(Stage.ROLLOUT):
+  for plan in _fixed(Stage.ROLLOUT, load):
     if any(bench.peak(plan, load, n) > selector.budget for n in schedule):
       first = next(i for i, n in enumerate(schedule) if bench.peak(plan, load, n) > selector.budget)
-      print(f"  fixed {'x'.join(map(str, plan.mesh_shape))}: OOM at step {first}")
+      print(f"  fixed {_name(plan)}: OOM at step {first}")
       continue
     start = time.perf_counter()
     for n in schedule:
       bench.run(plan, load, n)
-    print(f"  fixed {'x'.join(map(str, plan.mesh_shape))}: {time.perf_counter() - start:.3f} s")
+    print(f"  fixed {_name(plan)}: {time.perf_counter() - start:.3f} s")
   start, plans, switches = time.perf_counter(), [], 0.0
   for n in schedule:
     bucket = sel.bucket_for(n)
@@ -339,12 +366,13 @@ def main() -> None:
   if not set(args.parts) & set("ab"):
     return
   bench, workdir = Bench(args.repeats), tempfile.mkdtemp(prefix="selector_bench_")
-  selectors = {
-    stage: sel.Selector(
+
+  def make(stage: Stage, budget: int, hysteresis: float = 0.0) -> sel.Selector:
+    return sel.Selector(
       CFG,
       jax.devices(),
       memory_budget_bytes=budget,
-      hysteresis=0.0,
+      hysteresis=hysteresis,
       device_spec=mm.CPU_SPEC,
       micro_batch_splits=(1, 2),
       remat_options=("none",),
@@ -353,25 +381,19 @@ def main() -> None:
       logits_chunk=CHUNK,
       profile_path=os.path.join(workdir, f"profile_{stage.value}.json"),
     )
-    for stage, budget in budgets(bench).items()
-  }
+
+  selectors = {}
+  for stage, limits in budgets(bench).items():
+    selectors[stage] = {name: make(stage, limit) for name, limit in limits.items()}
+    shared = selectors[stage][BUDGETS[0]].table
+    for s in selectors[stage].values():
+      s.table = shared  # one profiling pass per cell, read under every budget
   start = time.perf_counter()
   if "a" in args.parts:
     part_a(bench, selectors)
   if "b" in args.parts:
-    s = selectors[Stage.ROLLOUT]
-    again = sel.Selector(  # a restart: reloads the profile table, hysteresis on
-      CFG,
-      jax.devices(),
-      memory_budget_bytes=s.budget,
-      hysteresis=0.1,
-      device_spec=mm.CPU_SPEC,
-      micro_batch_splits=(1, 2),
-      remat_options=("none",),
-      prompt_chunk=PROMPT,
-      new_tokens=NEW,
-      profile_path=s.profile_path,
-    )
+    # A restart under the median budget: reloads the profile table, hysteresis on.
+    again = make(Stage.ROLLOUT, selectors[Stage.ROLLOUT]["median"].budget, hysteresis=0.1)
     for load in SWEEP[Stage.ROLLOUT][1]:
       part_b(bench, again, load)
   print(f"\n{bench.programs.compilations} programs compiled; {time.perf_counter() - start:.0f} s")

@@ -213,11 +213,13 @@ def read_events(workdir: str | pathlib.Path, kind: str | None = None) -> list[di
 
 
 class StageTimer:
-  """Wall seconds per stage within one step: ``with timer("rollout"): ...``.
+  """Host wall seconds per stage within one step: ``with timer("rollout"): ...``.
 
-  The timed block must end with ``jax.block_until_ready`` on its outputs where it launches device
-  work, or the time measured is only the dispatch. Entering the same stage twice in a step adds
-  up. ``summary()`` returns ``{"time/<stage>": seconds}``; ``reset()`` (or
+  JAX dispatches asynchronously: a block that launches device work and does not wait for it is
+  charged only the dispatch, and the device time shows in the next block that waits (the loop
+  waits only in the rollout, so an update's time lands in the next step's rollout). Wrap with
+  ``jax.block_until_ready`` to time one stage on its own. Entering the same stage twice in a step
+  adds up. ``summary()`` returns ``{"time/<stage>": seconds}``; ``reset()`` (or
   ``summary(reset=True)``) starts the next step.
   """
 

@@ -71,7 +71,8 @@ def _stage_times(path: pathlib.Path, rows: Rows, keys: list[str]) -> pathlib.Pat
   seconds_NxT = np.asarray([[float(r.get(k, 0.0)) for r in timed] for k in keys])
   fig, ax = plt.subplots(figsize=(7, 4))
   ax.stackplot(steps, seconds_NxT, labels=[k[len(metrics_lib.TIME_PREFIX) :] for k in keys])
-  ax.set(title="Stage wall time per step (stacked)", xlabel="step", ylabel="seconds")
+  # Host time: asynchronous stages show their device time where the host next waits (the rollout).
+  ax.set(title="Host wall time per stage and step (stacked)", xlabel="step", ylabel="seconds")
   ax.legend(fontsize="small", loc="upper left")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
@@ -131,7 +132,8 @@ def plot_workdir(
   context = [k for k in (metrics_lib.CONTEXT_MEAN_KEY, metrics_lib.CONTEXT_MAX_KEY) if k in present]
   if context:
     written.append(_lines(out / "context_length.png", rows, context, "Context length", "tokens"))
-  times = _keys(rows, lambda k: k.startswith(metrics_lib.TIME_PREFIX))
+  # time/step is the sum of the stages: stacking it too would double every bar.
+  times = _keys(rows, lambda k: k.startswith(metrics_lib.TIME_PREFIX) and k != "time/step")
   if times:
     written.append(_stage_times(out / "stage_times.png", rows, times))
   if events:
