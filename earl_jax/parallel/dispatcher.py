@@ -361,6 +361,27 @@ def _check_leaves(leaves: list[Any], dsts: list[Any]) -> None:
       raise DispatchError(f"leaf {i} of shape {x.shape} does not divide {dst}: {e}") from None
 
 
+def _dispatch_direct(leaves: list[jax.Array], dsts: list[Sharding], account: bool):
+  """(moved leaves, routes, host bytes (0), cost or None)."""
+  moved = [_move_direct(x, dst) for x, dst in zip(leaves, dsts)]
+  cost = None
+  if account:
+    cost = blocks.MoveCost()
+    for x, dst, (_, route) in zip(leaves, dsts, moved):
+      cost.add(_leaf_cost(x.sharding, dst, x.shape, x.dtype.itemsize, route))
+  return [y for y, _ in moved], [r for _, r in moved], 0, cost
+
+
+def _dispatch_centralized(leaves: list[jax.Array], dsts: list[Sharding], account: bool):
+  """(moved leaves, routes, host bytes counted, cost or None)."""
+  counter = _HostCounter()
+  out = [_move_centralized(x, dst, counter) for x, dst in zip(leaves, dsts)]
+  cost = None
+  if account:
+    cost = blocks.MoveCost(counter.bytes, counter.transfers, {jax.process_index(): counter.bytes})
+  return out, ["host"] * len(out), counter.bytes, cost
+
+
 def dispatch(
   tree: Any,
   dst_shardings: Any,
@@ -395,22 +416,9 @@ def dispatch(
   dsts = treedef.flatten_up_to(dst_shardings)
   _check_leaves(leaves, dsts)
   start = time.perf_counter()
-  if mode == "centralized":
-    counter = _HostCounter()
-    out = [_move_centralized(x, dst, counter) for x, dst in zip(leaves, dsts)]
-    routes = tuple((jax.tree_util.keystr(p), "host") for p, _ in leaves_with_path)
-    host_bytes, cost = counter.bytes, None
-    if account:
-      cost = blocks.MoveCost(host_bytes, counter.transfers, {jax.process_index(): host_bytes})
-  else:
-    moved = [_move_direct(x, dst) for x, dst in zip(leaves, dsts)]
-    out, host_bytes = [y for y, _ in moved], 0
-    routes = tuple((jax.tree_util.keystr(p), r) for (p, _), (_, r) in zip(leaves_with_path, moved))
-    cost = None
-    if account:
-      cost = blocks.MoveCost()
-      for x, dst, (_, route) in zip(leaves, dsts, moved):
-        cost.add(_leaf_cost(x.sharding, dst, x.shape, x.dtype.itemsize, route))
+  move = _dispatch_centralized if mode == "centralized" else _dispatch_direct
+  out, routes, host_bytes, cost = move(leaves, dsts, account)
+  routes = tuple((jax.tree_util.keystr(p), r) for (p, _), r in zip(leaves_with_path, routes))
   seconds = None
   if measure:
     jax.block_until_ready(out)

@@ -209,23 +209,33 @@ def policy_loss(
     loss_BxT = loss_BxT - cfg.entropy_coef * entropy_BxT
   loss = aggregate(loss_BxT, mask_BxT, cfg.aggregation, cfg.seq_sum_norm, totals)
 
+  parts = {"pg": pg_BxT, "ratio": ratio_BxT, "clipped": clipped_BxT, "dual": dual_BxT}
+  parts.update(kl_ref=kl_ref_BxT, old=old_BxT, new=new_logps_BxT, entropy=entropy_BxT)
+  return loss, _loss_metrics(parts, mask_BxT, totals, cfg.kl_beta, partial)
+
+
+def _loss_metrics(
+  parts: dict[str, Array | None], mask_BxT: Array, totals: Totals, kl_beta: float, partial: bool
+) -> dict[str, Array]:
+  """``policy_loss``'s metrics: token means over policy tokens, without gradient."""
   sg = jax.lax.stop_gradient
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   # k3 with the roles of ref played by new: KL(old || new) estimated on samples of old.
-  approx_kl_old_BxT = kl_per_token(sg(old_BxT), new_logps_BxT, mask_BxT, KLEstimator.K3)
+  approx_kl_old_BxT = kl_per_token(sg(parts["old"]), parts["new"], mask_BxT, KLEstimator.K3)
   mean = lambda x_BxT: _masked_mean(x_BxT, mask_BxT, totals.tokens)  # noqa: E731
+  ratio_BxT = sg(parts["ratio"])
   metrics = {
-    "pg_loss": mean(sg(pg_BxT)),
-    "kl_loss": cfg.kl_beta * mean(sg(kl_ref_BxT)),
-    "kl_ref": mean(sg(kl_ref_BxT)),
+    "pg_loss": mean(sg(parts["pg"])),
+    "kl_loss": kl_beta * mean(sg(parts["kl_ref"])),
+    "kl_ref": mean(sg(parts["kl_ref"])),
     "approx_kl_old": mean(sg(approx_kl_old_BxT)),
-    "clip_frac": mean(f32(clipped_BxT)),
-    "dual_clip_frac": mean(f32(dual_BxT)),
-    "ratio_mean": mean(sg(ratio_BxT)),
-    "ratio_max": _masked_extreme(sg(ratio_BxT), mask_BxT, jnp.max, -jnp.inf, partial),
-    "ratio_min": _masked_extreme(sg(ratio_BxT), mask_BxT, jnp.min, jnp.inf, partial),
+    "clip_frac": mean(f32(parts["clipped"])),
+    "dual_clip_frac": mean(f32(parts["dual"])),
+    "ratio_mean": mean(ratio_BxT),
+    "ratio_max": _masked_extreme(ratio_BxT, mask_BxT, jnp.max, -jnp.inf, partial),
+    "ratio_min": _masked_extreme(ratio_BxT, mask_BxT, jnp.min, jnp.inf, partial),
     "num_tokens": jnp.sum(f32(mask_BxT)),
   }
-  if entropy_BxT is not None:
-    metrics["entropy"] = mean(sg(entropy_BxT))
-  return loss, metrics
+  if parts["entropy"] is not None:
+    metrics["entropy"] = mean(sg(parts["entropy"]))
+  return metrics

@@ -157,16 +157,7 @@ def run_rollout(
   done: dict[int, _Episode] = {}
   generated = calls = 0
   while queue or any(slots):
-    reset = np.zeros(cfg.num_slots, bool)
-    for i in range(cfg.num_slots):
-      while slots[i] is None and queue:
-        index, spec = queue.popleft()
-        ep = _Episode(spec, EpisodeStats(seed=spec.seed, group_id=spec.group_id))
-        ep.pending = fmt.first(envs[i].instructions, envs[i].reset(spec.seed))
-        slots[i], reset[i] = (index, ep), True
-        if not _fits(ep, cfg, cache_len):  # the very first prompt is already too long
-          _finish(ep, "truncated", truncated=True)
-          done[index], slots[i] = ep, None
+    reset = _fill_slots(slots, queue, envs, fmt, cfg, cache_len, done)
     if not any(slots):
       break
     if reset.any():
@@ -176,23 +167,47 @@ def run_rollout(
     out, cache = generate(cache, prompt, mask, positions, active, key)
     out = jax.device_get(out)  # B x max_new_tokens ids and log-probs: the host needs the text
     calls += 1
-    for i, slot in enumerate(slots):
-      if slot is None:
-        continue
-      index, ep = slot
-      generated += int(out.lengths_B[i])
-      finished = _apply_turn(ep, envs[i], fmt, out, i, cfg)
-      if not finished and not _fits(ep, cfg, cache_len):
-        _finish(ep, "truncated", truncated=True)
-        finished = True
-      if finished:
-        done[index], slots[i] = ep, None
+    generated += _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done)
   records = [done[i] for i in range(len(episodes))]
   batch = _pack(records, cfg, pad_id)
   result = RolloutResult(
     batch, [r.stats for r in records], time.perf_counter() - start, generated, calls
   )
   return result, cache
+
+
+def _fill_slots(slots, queue, envs, fmt, cfg, cache_len, done) -> np.ndarray:
+  """Starts the next queued episode in every free slot; returns the slots that were (re)set.
+  An episode whose first prompt already does not fit ends at once as truncated."""
+  reset = np.zeros(cfg.num_slots, bool)
+  for i in range(cfg.num_slots):
+    while slots[i] is None and queue:
+      index, spec = queue.popleft()
+      ep = _Episode(spec, EpisodeStats(seed=spec.seed, group_id=spec.group_id))
+      ep.pending = fmt.first(envs[i].instructions, envs[i].reset(spec.seed))
+      slots[i], reset[i] = (index, ep), True
+      if not _fits(ep, cfg, cache_len):
+        _finish(ep, "truncated", truncated=True)
+        done[index], slots[i] = ep, None
+  return reset
+
+
+def _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done) -> int:
+  """Steps each busy slot's env on its reply; frees the slots whose episode ended. Returns the
+  tokens generated this call."""
+  generated = 0
+  for i, slot in enumerate(slots):
+    if slot is None:
+      continue
+    index, ep = slot
+    generated += int(out.lengths_B[i])
+    finished = _apply_turn(ep, envs[i], fmt, out, i, cfg)
+    if not finished and not _fits(ep, cfg, cache_len):
+      _finish(ep, "truncated", truncated=True)
+      finished = True
+    if finished:
+      done[index], slots[i] = ep, None
+  return generated
 
 
 def _fits(ep: _Episode, cfg: RolloutConfig, cache_len: int) -> bool:

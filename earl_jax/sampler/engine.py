@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -108,6 +109,54 @@ def generate(
     turn only prefills the environment's answer.
   """
   b, n = prompt_BxP.shape[0], spec.max_new_tokens
+  logits_BxV, pos_B, active_B, cache = _prefill(
+    model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, active_B
+  )
+  stops_SxM, m = _stop_table(spec)
+  init = _Decode(
+    i=jnp.int32(0),
+    done_B=~active_B,
+    stopped_B=jnp.zeros((b,), jnp.bool_),
+    logits_BxV=logits_BxV,
+    pos_B=pos_B,
+    hist_BxM=jnp.full((b, m), -2, jnp.int32),
+    tokens_BxN=jnp.full((b, n), spec.pad_id, jnp.int32),
+    logps_BxN=jnp.zeros((b, n), jnp.float32),
+    mask_BxN=jnp.zeros((b, n), jnp.bool_),
+    cache=cache,
+    rng=rng,
+  )
+  step = functools.partial(_decode_step, model, spec, stops_SxM)
+  end = jax.lax.while_loop(lambda c: (c.i < n) & ~jnp.all(c.done_B), step, init)
+  result = GenerateOutput(
+    tokens_BxN=end.tokens_BxN,
+    logps_BxN=end.logps_BxN,
+    mask_BxN=end.mask_BxN,
+    lengths_B=jnp.sum(end.mask_BxN, axis=1, dtype=jnp.int32),
+    stopped_B=end.stopped_B,
+    next_positions_B=end.pos_B,
+  )
+  return result, end.cache
+
+
+class _Decode(NamedTuple):
+  """The decode loop's carry."""
+
+  i: jax.Array  # tokens decoded so far
+  done_B: jax.Array  # rows that stopped, ran out or were never active
+  stopped_B: jax.Array  # rows that hit a stop sequence
+  logits_BxV: jax.Array  # next-token logits
+  pos_B: jax.Array  # position of the next token
+  hist_BxM: jax.Array  # the last M tokens, for stop-sequence matching
+  tokens_BxN: jax.Array
+  logps_BxN: jax.Array
+  mask_BxN: jax.Array
+  cache: Any
+  rng: jax.Array
+
+
+def _prefill(model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, active_B):
+  """Writes the prompt chunk into the cache; the logits after each row's last real token."""
   h_BxPxD, cache = model.hidden(
     prompt_BxP, prompt_positions_BxP, mask_BxT=prompt_mask_BxP, cache=cache
   )
@@ -116,62 +165,35 @@ def generate(
   h_Bx1xD = jnp.take_along_axis(h_BxPxD, jnp.maximum(last_B, 0)[:, None, None], axis=1)
   logits_BxV = model.project(h_Bx1xD)[:, 0].astype(jnp.float32)
   pos_B = jnp.max(jnp.where(prompt_mask_BxP, prompt_positions_BxP, -1), axis=1) + 1
-  stops_SxM, m = _stop_table(spec)
+  return logits_BxV, pos_B, active_B, cache
 
-  def cond(carry):
-    i, done_B = carry[0], carry[1]
-    return (i < n) & ~jnp.all(done_B)
 
-  def body(carry):
-    i, done_B, stopped_B, logits_BxV, pos_B, hist_BxM, out, cache, rng = carry
-    rng, key = jax.random.split(rng)
-    tok_B, logp_B = spec.strategy.sample(logits_BxV, key)
-    live_B = ~done_B
-    tok_B = jnp.where(live_B, tok_B, spec.pad_id)
-    out = (
-      out[0].at[:, i].set(tok_B),
-      out[1].at[:, i].set(jnp.where(live_B, logp_B, 0.0)),
-      out[2].at[:, i].set(live_B),
-    )
-    hist_BxM = jnp.concatenate([hist_BxM[:, 1:], tok_B[:, None]], axis=1)
-    match_BxS = jnp.all((hist_BxM[:, None, :] == stops_SxM[None]) | (stops_SxM[None] < 0), axis=-1)
-    hit_B = live_B & jnp.any(match_BxS, axis=-1)  # False when there are no stop sequences
-    # Feed the token just sampled (the stop token too) so the cache holds the whole turn.
-    h_Bx1xD, cache = model.hidden(
-      tok_B[:, None], pos_B[:, None], mask_BxT=live_B[:, None], cache=cache
-    )
-    logits_BxV = model.project(h_Bx1xD)[:, 0].astype(jnp.float32)
-    pos_B = pos_B + live_B.astype(jnp.int32)
-    return (i + 1, done_B | hit_B, stopped_B | hit_B, logits_BxV, pos_B, hist_BxM, out, cache, rng)
-
-  out = (
-    jnp.full((b, n), spec.pad_id, jnp.int32),
-    jnp.zeros((b, n), jnp.float32),
-    jnp.zeros((b, n), jnp.bool_),
+def _decode_step(model, spec: GenerationSpec, stops_SxM: jax.Array, c: _Decode) -> _Decode:
+  """Samples one token per live row, records it, and feeds it through the model."""
+  rng, key = jax.random.split(c.rng)
+  tok_B, logp_B = spec.strategy.sample(c.logits_BxV, key)
+  live_B = ~c.done_B
+  tok_B = jnp.where(live_B, tok_B, spec.pad_id)
+  hist_BxM = jnp.concatenate([c.hist_BxM[:, 1:], tok_B[:, None]], axis=1)
+  match_BxS = jnp.all((hist_BxM[:, None, :] == stops_SxM[None]) | (stops_SxM[None] < 0), axis=-1)
+  hit_B = live_B & jnp.any(match_BxS, axis=-1)  # False when there are no stop sequences
+  # Feed the token just sampled (the stop token too) so the cache holds the whole turn.
+  h_Bx1xD, cache = model.hidden(
+    tok_B[:, None], c.pos_B[:, None], mask_BxT=live_B[:, None], cache=c.cache
   )
-  hist_BxM = jnp.full((b, m), -2, jnp.int32)
-  carry = (
-    jnp.int32(0),
-    ~active_B,
-    jnp.zeros((b,), jnp.bool_),
-    logits_BxV,
-    pos_B,
-    hist_BxM,
-    out,
-    cache,
-    rng,
+  return _Decode(
+    i=c.i + 1,
+    done_B=c.done_B | hit_B,
+    stopped_B=c.stopped_B | hit_B,
+    logits_BxV=model.project(h_Bx1xD)[:, 0].astype(jnp.float32),
+    pos_B=c.pos_B + live_B.astype(jnp.int32),
+    hist_BxM=hist_BxM,
+    tokens_BxN=c.tokens_BxN.at[:, c.i].set(tok_B),
+    logps_BxN=c.logps_BxN.at[:, c.i].set(jnp.where(live_B, logp_B, 0.0)),
+    mask_BxN=c.mask_BxN.at[:, c.i].set(live_B),
+    cache=cache,
+    rng=rng,
   )
-  _, _, stopped_B, _, pos_B, _, out, cache, _ = jax.lax.while_loop(cond, body, carry)
-  tokens_BxN, logps_BxN, mask_BxN = out
-  result = GenerateOutput(
-    tokens_BxN=tokens_BxN,
-    logps_BxN=logps_BxN,
-    mask_BxN=mask_BxN,
-    lengths_B=jnp.sum(mask_BxN, axis=1, dtype=jnp.int32),
-    stopped_B=stopped_B,
-    next_positions_B=pos_B,
-  )
-  return result, cache
 
 
 def generate_split(graphdef: nnx.GraphDef, state: nnx.State, cache, *args, spec: GenerationSpec):
