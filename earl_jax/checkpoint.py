@@ -30,9 +30,7 @@ import json
 import logging as py_logging
 import pathlib
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -457,44 +455,3 @@ class Checkpointer:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
-
-
-_preempted = threading.Event()
-
-
-def install_preemption_handler(
-  callback: Callable[[int], None] | None = None,
-  signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
-) -> Callable[[], None]:
-  """Makes SIGTERM (by default) set the flag read by ``preempted()`` instead of killing the process.
-
-  The loop checks ``preempted()`` once per step and, when set, saves with ``force=True``, waits and
-  exits: saving inside the handler itself is unsafe because the signal may arrive in the middle of
-  a save or of a jitted step. ``callback(signum)``, if given, runs in the handler (on the main
-  thread) after the flag is set and should only record things. Must be called from the main
-  thread (a Python rule for signal handlers). Single process only: a multi-host run must agree on
-  the step to save at (e.g. ``jax.experimental.multihost_utils.reached_preemption_sync_point``).
-
-  Returns:
-    A function that restores the previous handlers and clears the flag.
-  """
-
-  def handler(signum: int, frame: object) -> None:
-    del frame
-    _preempted.set()
-    if callback is not None:
-      callback(signum)
-
-  previous = {s: signal.signal(s, handler) for s in signals}
-
-  def uninstall() -> None:
-    for s, old in previous.items():
-      signal.signal(s, old)
-    _preempted.clear()
-
-  return uninstall
-
-
-def preempted() -> bool:
-  """True once a signal handled by ``install_preemption_handler`` has arrived."""
-  return _preempted.is_set()

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from earl_jax import checkpoint as checkpoint_lib
+from earl_jax import preemption
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -151,15 +152,15 @@ def test_errors_are_clear(tmp_path):
 
 def test_preemption_flag_in_process():
   seen = []
-  uninstall = checkpoint_lib.install_preemption_handler(seen.append)
+  uninstall = preemption.install_preemption_handler(seen.append)
   try:
-    assert not checkpoint_lib.preempted()
+    assert not preemption.preempted()
     os.kill(os.getpid(), signal.SIGTERM)
-    assert checkpoint_lib.preempted()
+    assert preemption.preempted()
     assert seen == [signal.SIGTERM]
   finally:
     uninstall()
-  assert not checkpoint_lib.preempted()
+  assert not preemption.preempted()
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
@@ -167,6 +168,7 @@ _CHILD_PRELUDE = """
 import json, os, signal, sys, time
 import jax, jax.numpy as jnp
 from earl_jax import checkpoint as checkpoint_lib
+from earl_jax import preemption
 ckpt = checkpoint_lib.Checkpointer(sys.argv[1], save_every=1000, keep=3)
 def state(step):
   w = jnp.full((256, 256), float(step))
@@ -174,11 +176,11 @@ def state(step):
 """
 
 _SIGTERM_CHILD = """
-checkpoint_lib.install_preemption_handler()
+preemption.install_preemption_handler()
 for step in range(1, 10_000):
   time.sleep(0.05)  # one "train step"
   print(f"step {step}", flush=True)
-  if checkpoint_lib.preempted():
+  if preemption.preempted():
     ckpt.save(step, state=state(step), meta={"step": step}, force=True)
     ckpt.wait()
     print(f"saved {step}", flush=True)

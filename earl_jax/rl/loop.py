@@ -24,7 +24,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from earl_jax import checkpoint as checkpoint_lib
-from earl_jax import config_lib
+from earl_jax import config_lib, preemption
 from earl_jax import metrics as metrics_lib
 from earl_jax import model as model_lib
 from earl_jax import workdir as workdir_lib
@@ -244,7 +244,7 @@ class Trainer:
     writer, uninstall = None, lambda: None
     try:
       self.restore(ckpt, resume)
-      uninstall = checkpoint_lib.install_preemption_handler()
+      uninstall = preemption.install_preemption_handler()
       # One metrics stream per process: process 0 writes the workdir's, others their own folder.
       pid = jax.process_index()
       metrics_dir = self.workdir if pid == 0 else self.workdir / f"process_{pid}"
@@ -277,7 +277,7 @@ class Trainer:
         profile.end(step)
         streak = log.finish(pending) if pending else 0
         pending, last = row, step == cfg.train.num_steps - 1
-        stop = _any_process(checkpoint_lib.preempted())
+        stop = _any_process(preemption.preempted())
         diverged = streak >= cfg.train.max_nonfinite_steps
         # Skipped updates leave the weights and moments as they were, and a finite update gives
         # finite ones: the state after this step is a good one to save and stop on.

@@ -10,6 +10,7 @@ import pytest
 
 from earl_jax.config_lib import ConfigError
 from earl_jax.model.config import ModelConfig
+from earl_jax.parallel import plan_cli
 from earl_jax.parallel import selector as sel
 from earl_jax.parallel.plan import make_stage_plan
 from earl_jax.parallel.presets import PRESETS, resolve_model
@@ -188,10 +189,10 @@ def test_decision_event_goes_to_metrics():
 def test_cli_json_and_text(capsys, tmp_path):
   argv = ["--model", "qwen2.5-72b", "--devices", "8", "--device-memory", "80GiB"]
   argv += ["--context", "32768", "--responses", "128"]
-  assert sel.main([*argv, "--format", "json"]) == 0
+  assert plan_cli.main([*argv, "--format", "json"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert "tensor=8" in report["plan"] and report["predicted_bytes"] <= 80 * GIB
-  assert sel.main(argv) == 0
+  assert plan_cli.main(argv) == 0
   assert "ranked alternatives" in capsys.readouterr().out
   cfg_path = tmp_path / "config.json"
   cfg_path.write_text(
@@ -202,9 +203,10 @@ def test_cli_json_and_text(capsys, tmp_path):
     })
   )  # fmt: skip
   assert resolve_model(str(tmp_path)).embed_dim == 64
-  assert sel.parse_bytes("80GiB") == 80 * GIB and sel.parse_bytes("1.5GB") == 1_500_000_000
+  assert plan_cli.parse_bytes("80GiB") == 80 * GIB
+  assert plan_cli.parse_bytes("1.5GB") == 1_500_000_000
   with pytest.raises(ConfigError, match="device-memory"):
-    sel.parse_bytes("80 parsecs")
+    plan_cli.parse_bytes("80 parsecs")
 
 
 def test_compiled_peak_overrides_a_pessimistic_prediction():
