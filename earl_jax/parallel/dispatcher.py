@@ -335,12 +335,14 @@ class _HostCounter:
 
 def _move_centralized(x: jax.Array, dst: Sharding, counter: _HostCounter) -> jax.Array:
   """Single-controller baseline: the leaf to the host as numpy, then a host scatter."""
-  if x.is_fully_addressable:
+  if jax.process_count() == 1:
     host = counter.fetch(x)
   else:
     # Multi-controller emulation of "gather to the controller": an on-device all-gather to every
     # device (what process_allgather does, which also needs shards on every process), then one
-    # device->host copy per process.
+    # device->host copy per process. Every process takes this branch, whether or not it holds the
+    # source (deciding by x.is_fully_addressable let one process skip the collective the others
+    # entered: a hang or a collective mismatch).
     everywhere = NamedSharding(
       Mesh(np.array(jax.devices(), dtype=object), ("_all",)), PartitionSpec()
     )

@@ -48,6 +48,12 @@ def main(port: str, process_id: int) -> None:
     for shard in y.addressable_shards:
       np.testing.assert_array_equal(np.asarray(shard.data), host_BxF[shard.index], err_msg=name)
     assert stats.bytes_through_host == 0
+    # The centralized baseline too: every process must enter its all-gather, also one that
+    # holds no block of the source (process0->process1 once hung process 1 there).
+    (z,), central = dispatcher.dispatch([x], [dst], mode="centralized")
+    for shard in z.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), host_BxF[shard.index], err_msg=name)
+    assert central.bytes_through_host > 0
     print(
       f"ok {process_id} {name} {stats.routes[0][1]} shards={len(y.addressable_shards)}", flush=True
     )
