@@ -229,8 +229,11 @@ def part_a(bench: Bench, selectors: dict[Stage, dict[str, sel.Selector]]) -> Non
         fixed = _fixed(stage, load)
         measured = bench.timed(fixed, load, length)
         for name, s in by_budget.items():
-          d = _selector_cell(bench, s, stage, load, length, profile=name == BUDGETS[0])
-          if d.plan not in measured:
+          try:
+            d = _selector_cell(bench, s, stage, load, length, profile=name == BUDGETS[0])
+          except sel.NoFeasiblePlanError:
+            d = None  # its analytic model rules out every candidate: reported, not hidden
+          if d is not None and d.plan not in measured:
             measured.update(bench.timed([d.plan], load, length))
           cell = {p: _with_profile(s, stage, length, load, p, t) for p, t in measured.items()}
           fits = [p for p in fixed if bench.peak(p, load, length) <= s.budget]
@@ -240,7 +243,7 @@ def part_a(bench: Bench, selectors: dict[Stage, dict[str, sel.Selector]]) -> Non
     print(f"  ({stage.value}: {time.perf_counter() - start:.0f} s)")
 
 
-def _budget_line(cell: dict, fits: list, fixed: list, d: sel.Decision) -> str:
+def _budget_line(cell: dict, fits: list, fixed: list, d: sel.Decision | None) -> str:
   def txt(p: StagePlan | None) -> str:
     return "none fits" if p is None else f"{_name(p):>11s} {cell[p][0]:7.0f}"
 
@@ -248,13 +251,14 @@ def _budget_line(cell: dict, fits: list, fixed: list, d: sel.Decision) -> str:
   # The earlier baseline: fixed plans only ran the whole batch at once.
   whole = [p for p in fits if not p.micro_batch_size]
   whole = max(whole, key=lambda p: cell[p][0], default=None)
+  spread = "" if best is None else f" [{cell[best][1]:.0f}-{cell[best][2]:.0f}]"
+  head = f"{len(fits):2d}/{len(fixed)} fit | best fixed {txt(best)}{spread} | whole-batch only "
+  if d is None:
+    verdict = "ok" if best is None else "WORSE"
+    return f"{head}{txt(whole)} | selector: no plan (memory model rules all out) {verdict}"
   t = cell[d.plan]
   ok = "ok" if best is None or t[2] >= cell[best][1] else "WORSE"
-  spread = "" if best is None else f" [{cell[best][1]:.0f}-{cell[best][2]:.0f}]"
-  return (
-    f"{len(fits):2d}/{len(fixed)} fit | best fixed {txt(best)}{spread} | whole-batch only "
-    f"{txt(whole)} | selector {_name(d.plan):>11s} {_fmt(t)} {ok}"
-  )
+  return f"{head}{txt(whole)} | selector {_name(d.plan):>11s} {_fmt(t)} {ok}"
 
 
 def _with_profile(
