@@ -105,10 +105,3 @@ def move_cost(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int)
       for p in {device.process_index, sender.process_index}:
         cost.bytes_by_process[p] = cost.bytes_by_process.get(p, 0) + nbytes
   return cost
-
-
-def total_block_bytes(sharding: Sharding, shape: Sequence[int], itemsize: int) -> int:
-  """Bytes held over all devices (replicas counted), i.e. what a host scatter must send."""
-  return sum(
-    math.prod(b - a for a, b in block) * itemsize for block in block_map(sharding, shape).values()
-  )

@@ -20,7 +20,6 @@ import dataclasses
 from typing import Any, Self
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -208,8 +207,3 @@ class AdvantageBatch(ScoredBatch):
   @classmethod
   def from_scored(cls, sb: ScoredBatch, advantages_BxT: Array, returns_BxT: Array) -> Self:
     return cls(**sb.field_dict(), advantages_BxT=advantages_BxT, returns_BxT=returns_BxT)
-
-
-def as_jax(batch: Any) -> Any:
-  """Converts every numpy leaf of a batch to a (default-placed) jax array."""
-  return jax.tree.map(jnp.asarray, batch)

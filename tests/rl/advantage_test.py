@@ -1,6 +1,7 @@
 """Advantage estimators vs. independent numpy loops, edge cases, and sharded == unsharded."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -67,7 +68,7 @@ GROUPS = [0, 1, 0, 2, 1, 2, 0, 1]
 def test_grpo_matches_numpy(seed: int, scale_by_std: bool):
   sb = random_scored_batch(seed, GROUPS, empty_rows=(5,))
   cfg = AdvantageConfig(estimator=AdvantageEstimator.GRPO, scale_by_std=scale_by_std)
-  ab = compute(batches.as_jax(sb), cfg, num_groups=3)
+  ab = compute(jax.tree.map(jnp.asarray, sb), cfg, num_groups=3)
   want = np_sequence_advantages(sb, "grpo", scale_by_std)
   np.testing.assert_allclose(ab.advantages_BxT, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(ab.returns_BxT, np.where(sb.loss_mask_BxT, sb.rewards_B[:, None], 0))
@@ -79,7 +80,7 @@ def test_grpo_matches_numpy(seed: int, scale_by_std: bool):
 def test_rloo_matches_numpy_incl_group_of_one(seed: int):
   groups = [0, 0, 1, 1, 1, 2, 3, 3]  # group 2 has one sample, 0 and 3 have two
   sb = random_scored_batch(seed, groups)
-  ab = compute(batches.as_jax(sb), AdvantageConfig(estimator=AdvantageEstimator.RLOO))
+  ab = compute(jax.tree.map(jnp.asarray, sb), AdvantageConfig(estimator=AdvantageEstimator.RLOO))
   want = np_sequence_advantages(sb, "rloo")
   np.testing.assert_allclose(ab.advantages_BxT, want, rtol=1e-5, atol=1e-5)
   assert np.all(np.asarray(ab.advantages_BxT)[5] == 0)
@@ -93,7 +94,7 @@ def test_rloo_matches_numpy_incl_group_of_one(seed: int):
 @pytest.mark.parametrize("estimator", [AdvantageEstimator.GRPO, AdvantageEstimator.RLOO])
 def test_optional_whitening(estimator: AdvantageEstimator):
   sb = random_scored_batch(7, GROUPS)
-  ab = compute(batches.as_jax(sb), AdvantageConfig(estimator=estimator, whiten=True))
+  ab = compute(jax.tree.map(jnp.asarray, sb), AdvantageConfig(estimator=estimator, whiten=True))
   kind = "grpo" if estimator is AdvantageEstimator.GRPO else "rloo"
   mask = np.asarray(sb.loss_mask_BxT)
   want = np_whiten(np_sequence_advantages(sb, kind), mask)
@@ -106,7 +107,7 @@ def test_optional_whitening(estimator: AdvantageEstimator):
 def test_all_equal_rewards_give_exact_zero(estimator: AdvantageEstimator):
   sb = random_scored_batch(3, GROUPS, rewards=[0.1] * 8)
   sb = sb.replace(ref_logps_BxT=sb.old_logps_BxT)  # no KL either
-  ab = compute(batches.as_jax(sb), AdvantageConfig(estimator=estimator, whiten=True))
+  ab = compute(jax.tree.map(jnp.asarray, sb), AdvantageConfig(estimator=estimator, whiten=True))
   adv = np.asarray(ab.advantages_BxT)
   assert np.all(np.isfinite(adv))
   if estimator is AdvantageEstimator.REINFORCE_PP:
@@ -127,7 +128,7 @@ def test_reinforce_pp_matches_numpy(seed: int, gamma: float, per_turn: bool):
     gamma=gamma,
     per_turn_rewards=per_turn,
   )
-  ab = compute(batches.as_jax(sb), cfg)
+  ab = compute(jax.tree.map(jnp.asarray, sb), cfg)
   returns = np_reinforce_pp(sb, 0.05, gamma, per_turn)
   mask = np.asarray(sb.loss_mask_BxT)
   np.testing.assert_allclose(ab.returns_BxT, returns, rtol=1e-5, atol=1e-5)
@@ -137,7 +138,7 @@ def test_reinforce_pp_matches_numpy(seed: int, gamma: float, per_turn: bool):
 
 
 def test_rloo_static_degenerate_groups_raise():
-  sb = batches.as_jax(random_scored_batch(0, [0, 1, 2, 3]))
+  sb = jax.tree.map(jnp.asarray, random_scored_batch(0, [0, 1, 2, 3]))
   with pytest.raises(ValueError, match="RLOO needs groups of >= 2 samples"):
     compute(sb, AdvantageConfig(estimator=AdvantageEstimator.RLOO), num_groups=4)
 

@@ -113,7 +113,7 @@ def test_validate_values_rejects_bad_group_ids_and_mask():
 
 
 def test_batch_is_a_pytree_through_jit():
-  sb = batches.as_jax(random_scored_batch(5, [0, 0, 1, 1]))
+  sb = jax.tree.map(jnp.asarray, random_scored_batch(5, [0, 0, 1, 1]))
 
   @jax.jit
   def f(batch: batches.ScoredBatch) -> batches.ScoredBatch:

@@ -24,7 +24,7 @@ def make_batch(seed: int, empty_rows: tuple[int, ...] = ()):
   ab = batches.AdvantageBatch.from_scored(sb, adv, adv)
   # Ratios spread over ~[0.5, 2] so every clip branch is taken somewhere.
   new = np.where(mask, sb.old_logps_BxT + rng.normal(0, 0.4, mask.shape), 0.0)
-  return batches.as_jax(ab), jnp.asarray(new, jnp.float32)
+  return jax.tree.map(jnp.asarray, ab), jnp.asarray(new, jnp.float32)
 
 
 def np_token_losses(new, ab, cfg: LossConfig, entropy=None):
