@@ -144,10 +144,14 @@ def main(argv: list[str]) -> None:
     distributed.initialize(peer_timeout_s=_PEER_TIMEOUT.value)
   config_file = pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"]))
   workdir = _WORKDIR.value or str(_REPO / "runs" / config_file.stem)
-  print(f"config {config_file.name}: {cfg.model.num_params:,} parameters; workdir {workdir}")
+  print(f"config {config_file.name}; workdir {workdir}")
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
   try:
-    rows = loop.run(cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    trainer = loop.Trainer(cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    # The model actually built: with pretrained_path, its config.json's architecture.
+    source = cfg.pretrained_path or "the config"
+    print(f"model: {trainer.setup.model_cfg.num_params:,} parameters (architecture from {source})")
+    rows = trainer.run()
   except (
     config_lib.ConfigError,
     workdir_lib.WorkdirError,

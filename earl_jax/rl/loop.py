@@ -369,5 +369,6 @@ def run(
   *,
   allow_config_change: bool = False,
 ) -> list[dict[str, Any]]:
-  """Builds a Trainer for ``cfg`` and trains; the entry point of ``launch/train.py``."""
+  """Builds a Trainer for ``cfg`` and trains: the one-call form notebooks use
+  (``launch/train.py`` builds the Trainer itself, to print the model it built)."""
   return Trainer(cfg, workdir, allow_config_change=allow_config_change).run()
