@@ -30,7 +30,7 @@ from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel.plan import make_stage_plan
-from earl_jax.rl import programs, reference, update
+from earl_jax.rl import programs, reference, stages, update
 from earl_jax.types import Stage
 
 CFG = ModelConfig(
@@ -87,8 +87,8 @@ def main() -> None:
   graphdef, params = nnx.split(model)
   state = update.init_train_state(params, optimizer, jax.random.key(0))
   state = jax.device_put(state, ex.train_state_shardings(plan, state, optimizer))
-  shard = lambda x: mesh_lib.batch_sharding(plan, np.ndim(x))  # noqa: E731
-  batches = {k: jax.device_put({n: v[o] for n, v in host.items()}, jax.tree.map(shard, host))
+  shardings = stages.batch_shardings(plan, host)
+  batches = {k: jax.device_put({n: v[o] for n, v in host.items()}, shardings)
              for k, o in order.items()}  # fmt: skip
   abstract_batch = jax.eval_shape(lambda: batches["balanced"])
   abstract_state = jax.eval_shape(lambda: state)

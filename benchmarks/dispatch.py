@@ -132,15 +132,18 @@ def _paper_moves(args: argparse.Namespace, ids: list[int]) -> list:
 
 
 def _trainer_moves(args: argparse.Namespace, ids: list[int]) -> list:
+  import statistics
+
   import jax
   import numpy as np
   from flax import nnx
 
   from earl_jax import model as model_lib
   from earl_jax.model.config import ModelConfig
+  from earl_jax.parallel import dispatcher
   from earl_jax.parallel import mesh as mesh_lib
   from earl_jax.parallel import plan as plan_lib
-  from earl_jax.rl import batches
+  from earl_jax.rl import batches, stages
   from earl_jax.types import Stage
 
   rollout = plan_lib.make_stage_plan(Stage.ROLLOUT, ids, 2, 1, 4)
@@ -157,23 +160,17 @@ def _trainer_moves(args: argparse.Namespace, ids: list[int]) -> list:
     advantages_BxT=bt(np.float32), returns_BxT=bt(np.float32),
   )  # fmt: skip
   rows = []
-  # The host-built rollout batch onto the reference layout: counted as the blocks are uploaded.
-  ref_sh = jax.tree.map(lambda x: mesh_lib.batch_sharding(reference, np.ndim(x)), host)
-  uploaded, times = [0], []
+  # The host-built rollout batch onto the reference layout, counted as the blocks are uploaded
+  # (the centralized mode's own scatter).
+  counter, times = dispatcher._HostCounter(), []
   for _ in range(args.repeats + 1):
     start = time.perf_counter()
-    scored = jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(
-        x.shape, s, lambda i, x=x: uploaded.__setitem__(0, uploaded[0] + x[i].nbytes) or x[i]
-      ),
-      host,
-      ref_sh,
-    )
+    scored = jax.tree.map(counter.scatter, host, stages.batch_shardings(reference, host))
     jax.block_until_ready(scored)
     times.append(time.perf_counter() - start)
-  per_run = uploaded[0] // (args.repeats + 1)
-  rows.append(("rollout batch (host) -> reference", per_run, sorted(times[1:])[args.repeats // 2]))
-  upd_sh = jax.tree.map(lambda x: mesh_lib.batch_sharding(update, np.ndim(x)), host)
+  per_run = counter.bytes // (args.repeats + 1)
+  rows.append(("rollout batch (host) -> reference", per_run, statistics.median(times[1:])))
+  upd_sh = stages.batch_shardings(update, host)
   name = f"scored batch reference -> update (B={b}, T={t})"
   rows.append((name, _measure(scored, upd_sh, args.repeats)))
   cfg = ModelConfig(

@@ -286,7 +286,7 @@ class Trainer:
         ckpt.save(step, state=state, meta=meta, force=last or stop or diverged)
         if last or stop or diverged:
           streak, pending = max(streak, log.finish(pending)), None
-        if diverged or streak >= cfg.train.max_nonfinite_steps:
+        if streak >= cfg.train.max_nonfinite_steps:  # diverged, or the flushed last row did
           ckpt.wait()
           raise NonFiniteError(
             f"the last {streak} optimiser steps had non-finite gradients and were skipped "
