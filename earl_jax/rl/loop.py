@@ -281,11 +281,13 @@ class Trainer:
         diverged = streak >= cfg.train.max_nonfinite_steps
         # Skipped updates leave the weights and moments as they were, and a finite update gives
         # finite ones: the state after this step is a good one to save and stop on.
-        meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
-        state = self.stages.checkpoint_state()
-        ckpt.save(step, state=state, meta=meta, force=last or stop or diverged)
-        if last or stop or diverged:
+        force = last or stop or diverged
+        if ckpt.should_save(step, force=force):
+          # A checkpoint never runs ahead of the log: step k's row is on disk before step k is
+          # saved, so a run killed after the save resumes with no row missing.
           streak, pending = max(streak, log.finish(pending)), None
+        meta = {"step": step, "plan": self.plans.to_json(), "config": config_lib.to_dict(cfg)}
+        ckpt.save(step, state=self.stages.checkpoint_state(), meta=meta, force=force)
         if streak >= cfg.train.max_nonfinite_steps:  # diverged, or the flushed last row did
           ckpt.wait()
           raise NonFiniteError(

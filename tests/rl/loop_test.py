@@ -47,7 +47,7 @@ def _stable(rows):
 
 @pytest.mark.slow
 def test_two_steps_end_to_end(tmp_path, monkeypatch):
-  cfg = tiny_config(profile_steps=(1,))
+  cfg = tiny_config(profile_steps=(1,), num_steps=3, checkpoint_every=100)
   trainer = loop.Trainer(cfg, tmp_path)
   assert trainer.plans.describe()
   order = []
@@ -57,9 +57,10 @@ def test_two_steps_end_to_end(tmp_path, monkeypatch):
   )
   monkeypatch.setattr(loop._RowLog, "finish", lambda s, r: order.append(r.step) or finish(s, r))
   rows = trainer.run()
-  assert [r["step"] for r in rows] == [0, 1]
-  # Step 0's metrics are fetched only after step 1's update is dispatched.
-  assert order == ["update", "update", 0, 1]
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  # Step 1's metrics are fetched only after step 2's update is dispatched. Step 0 is a checkpoint
+  # step: its row is written before it is saved (a checkpoint never runs ahead of the log).
+  assert order == ["update", 0, "update", "update", 1, 2]
   for r in rows:
     assert r["dispatch/bytes_through_host"] == 0 and r["sync/bytes_through_host"] == 0
     assert 0.0 <= r["eval/random/win_rate"] <= 1.0
