@@ -46,7 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   t = c.tokenizer = ml_collections.ConfigDict()
   t.kind = "char"  # char (built-in, no files) | hf (tokenizer.json from `path`)
-  t.path = ""  # hf: directory or hub repo id holding tokenizer.json / tokenizer_config.json
+  t.path = ""  # hf: directory or hub repo id with tokenizer.json; "" = pretrained_path
 
   e = c.env = ml_collections.ConfigDict()
   e.name = "connect_four"  # connect_four | tic_tac_toe | calculator
@@ -56,12 +56,13 @@ def get_config() -> ml_collections.ConfigDict:
   g.mcts_rollouts = 1  # mcts opponent: random rollouts per leaf
   g.mcts_uct_c = 2.0  # mcts opponent: exploration constant
   g.model_side = "alternate"  # first | second | alternate (by episode seed parity)
-  g.observation = "compact"  # compact (board + last move) | verbose (chat models) | moves
+  g.observation = "compact"  # compact (board + last move) | verbose (chat models) | moves | columns
   g.parse_mode = "tag"  # tag (<move>N</move> only) | lenient (else the first digit run)
   g.action_tag = "move"  # the answer is <action_tag>N</action_tag>
   g.on_invalid = "retry"  # after an invalid answer: end the episode | retry
   g.max_retries = 2  # retry: invalid answers in a row before the episode ends as invalid
   g.invalid_penalty = -0.5  # reward of each invalid answer that is asked again
+  g.legal_move_reward = 0.0  # reward of each legal move (a survival signal for from-scratch runs)
   g.forfeit_reward = -0.5  # reward of the invalid answer that ends the episode; < loss_reward
   g.win_reward = 1.0
   g.draw_reward = 0.0
@@ -146,7 +147,8 @@ def get_config() -> ml_collections.ConfigDict:
   tr.num_steps = 100  # training steps (one rollout + one update each)
   tr.eval_every = 10  # evaluate every N steps, and at the first and last; 0 = never
   tr.eval_episodes = 32  # evaluation episodes per opponent
-  tr.eval_opponents = ("random",)  # board games: opponents evaluated against
+  tr.eval_opponents = ("random",)  # board games: random | first_legal | heuristic | mcts | mcts:N
+  tr.baselines = ()  # scripted policies played once at start: random | column | heuristic | mcts:N
   tr.checkpoint_every = 20  # checkpoint every N steps (and at the end and on SIGTERM)
   tr.keep_checkpoints = 2  # checkpoints kept
   tr.log_every = 1  # metrics every N steps

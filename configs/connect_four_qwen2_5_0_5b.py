@@ -13,7 +13,6 @@ def get_config() -> ml_collections.ConfigDict:
   c = base.get_config()
   c.pretrained_path = "Qwen/Qwen2.5-0.5B-Instruct"  # a hub id or a local HF directory
   c.tokenizer.kind = "hf"
-  c.tokenizer.path = c.pretrained_path
   c.model.param_dtype = "float32"  # master weights and Adam moments: lr 1e-6 needs float32
   c.model.compute_dtype = "bfloat16"
   c.model.max_seq_len = 8192

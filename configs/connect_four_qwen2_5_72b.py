@@ -16,7 +16,6 @@ from configs import connect_four_qwen2_5_0_5b
 def get_config() -> ml_collections.ConfigDict:
   c = connect_four_qwen2_5_0_5b.get_config()
   c.pretrained_path = "Qwen/Qwen2.5-72B-Instruct"
-  c.tokenizer.path = c.pretrained_path
   c.model.max_seq_len = 32768
   c.rollout.max_context = 32768
   c.rollout.num_slots = 128  # the paper's largest #responses

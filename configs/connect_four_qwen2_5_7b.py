@@ -13,7 +13,6 @@ from configs import connect_four_qwen2_5_0_5b
 def get_config() -> ml_collections.ConfigDict:
   c = connect_four_qwen2_5_0_5b.get_config()
   c.pretrained_path = "Qwen/Qwen2.5-7B-Instruct"
-  c.tokenizer.path = c.pretrained_path
   c.model.max_seq_len = 16384
   c.rollout.max_context = 16384
   c.parallel.rollout_layout.tensor = 4  # 28 heads, 4 kv heads: tensor in {1, 2, 4}

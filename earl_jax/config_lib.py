@@ -19,12 +19,15 @@ import ml_collections
 
 from earl_jax import config_build
 from earl_jax.config_build import to_dict
+from earl_jax.env import baselines as baselines_env
 from earl_jax.env import calculator as calculator_env
 from earl_jax.env import games as games_env
+from earl_jax.env import opponents as opponents_env
 from earl_jax.env import registry as env_registry
 from earl_jax.model.config import (  # the model's config lives with the model
   ModelConfig,
   TokenizerConfig,
+  TokenizerKind,
 )
 from earl_jax.rl.advantage import AdvantageConfig
 from earl_jax.rl.losses import LossConfig
@@ -65,6 +68,13 @@ class EnvConfig:
     """(metric name, ``make`` overrides) per evaluation suite; the env decides (see
     ``env.registry.evaluations``)."""
     return env_registry.evaluations(self.name, opponents)
+
+  def baselines(
+    self, specs: tuple[str, ...], opponents: tuple[str, ...], seeds: range
+  ) -> dict[str, dict[str, float]]:
+    """{baseline spec: {eval suite: win rate}}: each scripted policy in ``specs`` played on the
+    policy's side against each evaluation suite, on ``seeds`` (games only)."""
+    return baselines_env.table(specs, self.evaluations(opponents), self.make, seeds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +185,11 @@ class TrainConfig:
   num_steps: int = 100  # training steps (one rollout + one update each)
   eval_every: int = 10  # evaluate every N steps (and at the first and last step); 0 = never
   eval_episodes: int = 32  # episodes per opponent per evaluation
-  eval_opponents: tuple[str, ...] = ("random",)  # game opponents to evaluate against
+  eval_opponents: tuple[str, ...] = ("random",)  # game opponents to evaluate against (specs:
+  # random | first_legal | heuristic | mcts | mcts:N)
+  # Scripted policies played against every eval opponent once, at the start of a run: the
+  # reference lines of the eval curves (specs: random | column | column:N | heuristic | mcts:N).
+  baselines: tuple[str, ...] = ()
   checkpoint_every: int = 20  # save every N steps (and on SIGTERM and at the end)
   keep_checkpoints: int = 2  # keep the last K checkpoints
   log_every: int = 1  # write metrics every N steps
@@ -197,9 +211,15 @@ class TrainConfig:
     _require(self.eval_every >= 0, "eval_every", self.eval_every, "an int >= 0 (0 = never)")
     for step in self.profile_steps:
       _require(step >= 0, "profile_steps", self.profile_steps, "a tuple of step numbers >= 0")
-    kinds = [k.value for k in games_env.OpponentKind]
-    for name in self.eval_opponents:
-      _require(name in kinds, "eval_opponents", self.eval_opponents, f"a tuple of {kinds}")
+    names = [opponents_env.parse_spec(spec, "eval_opponents")[0] for spec in self.eval_opponents]
+    _require(
+      len(set(names)) == len(names), "eval_opponents", self.eval_opponents, "distinct opponents"
+    )
+    for spec in self.baselines:
+      baselines_env.parse_spec(spec, "baselines")
+    _require(
+      len(set(self.baselines)) == len(self.baselines), "baselines", self.baselines, "distinct"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,6 +268,23 @@ class ExperimentConfig:
       f"0 or a divisor of the mini-batch rl.num_groups * rl.group_size / rl.mini_batches = {mini}",
     )
     _warn_pure_bf16(self.model, self.optim)
+    if self.tokenizer.kind == TokenizerKind.HF and not self.tokenizer.path:
+      # The tokenizer follows the checkpoint unless set on its own.
+      _require(
+        bool(self.pretrained_path),
+        "tokenizer.path",
+        self.tokenizer.path,
+        "a directory or hub repo id when tokenizer.kind='hf' (empty: pretrained_path's, "
+        "which is unset)",
+      )
+      tokenizer = dataclasses.replace(self.tokenizer, path=self.pretrained_path)
+      object.__setattr__(self, "tokenizer", tokenizer)
+    _require(
+      not self.train.baselines or self.env.name != env_registry.CALCULATOR,
+      "train.baselines",
+      self.train.baselines,
+      "() with env.name 'calculator' (baselines are scripted game players)",
+    )
     _require(
       self.rollout.max_context <= self.model.max_seq_len,
       "rollout.max_context",
@@ -290,6 +327,7 @@ RUN_ONLY_KEYS: tuple[str, ...] = (
   "train.eval_every",
   "train.eval_episodes",
   "train.eval_opponents",
+  "train.baselines",
   "train.checkpoint_every",
   "train.keep_checkpoints",
   "train.log_every",

@@ -1,5 +1,7 @@
-"""Preemption: SIGTERM sets a flag the training loop reads once per step (then it saves and
-exits at a step boundary) instead of killing the process mid-step or mid-save."""
+"""Preemption: SIGTERM (and Ctrl-C) set a flag the training loop reads once per step (then it
+saves and exits at a step boundary) instead of killing the process mid-step or mid-save. A second
+Ctrl-C does not wait: it raises ``KeyboardInterrupt`` at once (the launcher exits quietly; the
+last finished checkpoint is where the run resumes)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import threading
 from collections.abc import Callable
 
 _preempted = threading.Event()
+_received: list[str] = []  # the names of the signals that set the flag
 
 
 def install_preemption_handler(
@@ -29,6 +32,9 @@ def install_preemption_handler(
 
   def handler(signum: int, frame: object) -> None:
     del frame
+    if signum == signal.SIGINT and _preempted.is_set():
+      raise KeyboardInterrupt  # the second Ctrl-C: stop now, do not wait for the step
+    _received.append(signal.Signals(signum).name)
     _preempted.set()
     if callback is not None:
       callback(signum)
@@ -39,6 +45,7 @@ def install_preemption_handler(
     for s, old in previous.items():
       signal.signal(s, old)
     _preempted.clear()
+    _received.clear()
 
   return uninstall
 
@@ -46,3 +53,8 @@ def install_preemption_handler(
 def preempted() -> bool:
   """True once a signal handled by ``install_preemption_handler`` has arrived."""
   return _preempted.is_set()
+
+
+def received() -> str:
+  """The signals that asked to stop, e.g. ``"SIGINT"``; "" if none did."""
+  return "+".join(dict.fromkeys(_received))

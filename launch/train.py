@@ -136,7 +136,7 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
 
-  from earl_jax.rl import loop
+  from earl_jax.rl import loop, loop_stats
 
   if _MULTIHOST.value:
     # Reads the cluster from the environment (SLURM, TPU pods); a lost peer ends this process
@@ -151,6 +151,9 @@ def main(argv: list[str]) -> None:
     # The model actually built: with pretrained_path, its config.json's architecture.
     source = cfg.pretrained_path or "the config"
     print(f"model: {trainer.setup.model_cfg.num_params:,} parameters (architecture from {source})")
+    baselines = trainer.baselines()
+    if baselines:
+      print(loop_stats.format_baselines(baselines))
     rows = trainer.run()
   except (
     config_lib.ConfigError,
@@ -161,8 +164,16 @@ def main(argv: list[str]) -> None:
     _fail(str(e))
   except OSError as e:  # the file system under the workdir (full, read-only, gone)
     _fail(f"{type(e).__name__}: {e}")
+  except KeyboardInterrupt:  # a second Ctrl-C (the first saves at the end of the step)
+    print(f"earl_jax: interrupted; the run resumes from its last checkpoint in {workdir}")
+    sys.exit(130)
   if _MULTIHOST.value:
     distributed.shutdown()  # tells the peers this process ended on purpose
+  if trainer.start_step >= cfg.train.num_steps and not rows:
+    print(
+      f"nothing to do: the run in {workdir} already reached train.num_steps={cfg.train.num_steps}"
+      " (raise it to train on; --workdir=<new folder> starts afresh)"
+    )
   evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
   if evals:
     last = evals[-1]

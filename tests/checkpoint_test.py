@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +163,20 @@ def test_preemption_flag_in_process():
     uninstall()
   assert not preemption.preempted()
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_first_ctrl_c_asks_to_stop_and_the_second_quits_at_once():
+  previous = signal.getsignal(signal.SIGINT)
+  uninstall = preemption.install_preemption_handler(signals=(signal.SIGTERM, signal.SIGINT))
+  try:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert preemption.preempted() and preemption.received() == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(1)  # the handler runs between bytecodes; it raises before this ends
+  finally:
+    uninstall()
+  assert signal.getsignal(signal.SIGINT) is previous and preemption.received() == ""
 
 
 _CHILD_PRELUDE = """

@@ -29,8 +29,12 @@ def test_every_config_file_loads_and_validates(name: str):
   cfg = _load(name)
   exp = config_lib.from_config_dict(cfg)
   assert isinstance(exp, config_lib.ExperimentConfig)
-  # The dataclass round-trips to the same dict the file produced.
-  assert config_lib.to_dict(exp) == cfg.to_dict()
+  # The dataclass round-trips to the same dict the file produced (an empty hf tokenizer path
+  # resolved to the checkpoint's).
+  expected = cfg.to_dict()
+  if expected["tokenizer"]["kind"] == "hf" and not expected["tokenizer"]["path"]:
+    expected["tokenizer"]["path"] = expected["pretrained_path"]
+  assert config_lib.to_dict(exp) == expected
 
 
 def test_base_defaults_equal_dataclass_defaults():
@@ -90,8 +94,17 @@ def test_unknown_key_is_rejected_with_known_keys_listed():
 
 
 def test_hf_tokenizer_needs_a_path():
-  with pytest.raises(config_lib.ConfigError, match=r"tokenizer\.path"):
+  with pytest.raises(config_lib.ConfigError, match=r"tokenizer\.path.*pretrained_path"):
     config_lib.build(config_lib.ExperimentConfig, {"tokenizer": {"kind": "hf"}})
+
+
+def test_hf_tokenizer_follows_pretrained_path_unless_set():
+  # Overriding only pretrained_path (e.g. to a local copy) must not keep the hub tokenizer id.
+  d = _load("connect_four_qwen2_5_0_5b").to_dict()
+  d["pretrained_path"] = "/data/qwen-0.5b"
+  assert config_lib.from_config_dict(d).tokenizer.path == "/data/qwen-0.5b"
+  d["tokenizer"]["path"] = "/data/tok"
+  assert config_lib.from_config_dict(d).tokenizer.path == "/data/tok"
 
 
 def test_configs_are_frozen():

@@ -36,7 +36,10 @@ class ObservationMode(enum.Enum):
   COMPACT = "compact"  # minimal text for tiny character-level policies (short contexts)
   VERBOSE = "verbose"  # full sentences and the answer format, for chat models
   MOVES = "moves"  # games only: the opponent's last move, no board (the history implies it);
-  # the shortest context, for the tiny from-scratch default run
+  # the shortest context
+  COLUMNS = "columns"  # games with columns (Connect Four): the opponent's last move and the board
+  # column by column, bottom up, the policy's pieces '+' and the opponent's '-': the whole
+  # position in a few characters, seen from the policy's side (the tiny default run's)
 
 
 class OnInvalid(enum.Enum):

@@ -88,7 +88,7 @@ class CalculatorEnvConfig:
       raise ConfigError(
         "on_malformed", self.on_malformed, f"one of {[m.value for m in base.OnInvalid]}"
       )
-    if self.observation is base.ObservationMode.MOVES:
+    if self.observation in (base.ObservationMode.MOVES, base.ObservationMode.COLUMNS):
       raise ConfigError("observation", self.observation.value, "'compact' or 'verbose' (no board)")
     if not isinstance(self.observation, base.ObservationMode):
       modes = [m.value for m in base.ObservationMode]

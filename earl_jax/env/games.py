@@ -17,6 +17,15 @@ Moves observation (``observation="moves"``; the shortest context, for the defaul
 
   o 3              only your symbol and the opponent's last move: the board is the history
 
+Columns observation (``observation="columns"``; Connect Four; the tiny default run's): the
+opponent's last move, then the board column by column (0-6), bottom up, the policy's pieces ``+``
+and the opponent's ``-``::
+
+  3 |||-|||        the opponent opened in column 3: column 3 holds one of its pieces
+
+The whole position fits in a few characters a turn and is seen from the policy's side, so the
+same reply is right whichever colour it plays.
+
 Verbose observation (for chat models)::
 
   Connect Four. You play o. The opponent (x) played 3.
@@ -33,7 +42,9 @@ An invalid answer (unparseable or illegal) costs ``invalid_penalty`` and either 
 ``invalid; legal: 0 1 2 4 5 6`` and another try, at most ``max_retries`` in a row. Terminal
 observations are the final board and a line ``win``/``loss``/``draw``/``invalid`` (verbose:
 ``Result: ...``). Rewards: ``win_reward``, ``draw_reward``, ``loss_reward`` on the final step,
-``invalid_penalty`` per invalid answer that is asked again.
+``invalid_penalty`` per invalid answer that is asked again, ``legal_move_reward`` per legal move
+(a small survival signal for policies that start out answering at random: without it, every
+early episode forfeits and the quickest forfeit, with the fewest penalties, scores best).
 
 Another OpenSpiel two-player sequential game with a text rendering is added with one
 ``register_game`` call (see the two below).
@@ -81,6 +92,8 @@ class GameSpec:
     render: state -> board text.
     label_row: an optional line under the board in verbose mode (e.g. column ids).
     preference: action -> sort key for the scripted heuristic (lower is preferred).
+    columns: (state, policy player) -> the ``columns`` observation's board, or None when the
+      game has no columns (the observation is then refused).
     params: ``load_game`` parameters.
   """
 
@@ -91,6 +104,7 @@ class GameSpec:
   render: Callable[[pyspiel.State], str] = _default_render
   label_row: str = ""
   preference: Callable[[int], float] = float
+  columns: Callable[[pyspiel.State, int], str] | None = None
   params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def load(self) -> pyspiel.Game:
@@ -118,6 +132,16 @@ def _tic_tac_toe_render(state: pyspiel.State) -> str:
   return "\n".join("".join(cells[r * 3 : r * 3 + 3]) for r in range(3))
 
 
+def _connect_four_columns(state: pyspiel.State, player: int) -> str:
+  rows = str(state).strip("\n").splitlines()  # top row first; '.', 'x' (player 0), 'o'
+  mine = "xo"[player]
+  cols = []
+  for c in range(len(rows[0])):
+    pieces = [row[c] for row in reversed(rows) if row[c] != "."]
+    cols.append("".join("+" if p == mine else "-" for p in pieces))
+  return "|".join(cols)
+
+
 register_game(
   "connect_four",
   GameSpec(
@@ -126,6 +150,7 @@ register_game(
     rules="Drop a piece into column N (0-6, left to right); four in a row in any line wins.",
     label_row="0123456",
     preference=lambda a: abs(a - 3),
+    columns=_connect_four_columns,
   ),
 )
 register_game(
@@ -159,6 +184,7 @@ class GameEnvConfig:
   on_invalid: base.OnInvalid = base.OnInvalid.RETRY
   max_retries: int = 2  # RETRY: invalid answers in a row before the episode ends as invalid
   invalid_penalty: float = -0.5  # reward of each invalid answer that is asked again
+  legal_move_reward: float = 0.0  # reward of each legal move (keep 21 of them below a win)
   forfeit_reward: float = -0.5  # reward of the invalid answer that ends the episode (outcome
   # invalid): keep it below loss_reward so that giving up is never better than playing on
   win_reward: float = 1.0
@@ -176,7 +202,14 @@ class GameEnvConfig:
       raise ConfigError("max_retries", self.max_retries, "a non-negative int")
     if not isinstance(self.action_tag, str) or not re.fullmatch(r"[a-z_]{1,16}", self.action_tag):
       raise ConfigError("action_tag", self.action_tag, "1-16 lower-case letters or '_'")
-    for key in ("invalid_penalty", "forfeit_reward", "win_reward", "draw_reward", "loss_reward"):
+    for key in (
+      "invalid_penalty",
+      "legal_move_reward",
+      "forfeit_reward",
+      "win_reward",
+      "draw_reward",
+      "loss_reward",
+    ):
       if not _finite(getattr(self, key)):
         raise ConfigError(key, getattr(self, key), "a finite float")
     for key, kind in (
@@ -196,6 +229,10 @@ class GameEnv:
   def __init__(self, spec: GameSpec, config: GameEnvConfig | None = None):
     self.spec = spec
     self.config = config or GameEnvConfig()
+    if self.config.observation is ObservationMode.COLUMNS and spec.columns is None:
+      raise ConfigError(
+        "observation", "columns", f"'compact', 'verbose' or 'moves' for {spec.openspiel_name}"
+      )
     self._game = spec.load()
     self._guard = base.EpisodeGuard(f"GameEnv({spec.openspiel_name})")
     self._state: pyspiel.State | None = None
@@ -219,6 +256,11 @@ class GameEnv:
     if self._state is None:
       raise RuntimeError("GameEnv.state read before reset(seed)")
     return self._state.clone()
+
+  @property
+  def game(self) -> pyspiel.Game:
+    """The OpenSpiel game (for scripted players: search needs it)."""
+    return self._game
 
   @property
   def model_player(self) -> int:
@@ -260,8 +302,9 @@ class GameEnv:
     self._last_opponent = None
     self._advance()
     if self._state.is_terminal():
-      return self._finish(self._terminal_outcome(), action)
-    return base.StepResult(self._render(), 0.0, False, self._info(None, True, action))
+      return self._finish(self._terminal_outcome(), action, self.config.legal_move_reward)
+    reward = float(self.config.legal_move_reward)
+    return base.StepResult(self._render(), reward, False, self._info(None, True, action))
 
   def _advance(self) -> None:
     """Plays chance and opponent moves until it is the policy's turn or the game is over."""
@@ -296,7 +339,10 @@ class GameEnv:
       obs = f"Invalid answer: {what}. Legal moves: {moves}. Answer with <{tag}>N</{tag}>."
     return base.StepResult(obs, float(cfg.invalid_penalty), False, self._info(None, False, action))
 
-  def _finish(self, outcome: base.Outcome, action: int | None) -> base.StepResult:
+  def _finish(
+    self, outcome: base.Outcome, action: int | None, bonus: float = 0.0
+  ) -> base.StepResult:
+    """The last step: the outcome's reward, plus ``bonus`` (the legal move that ended it)."""
     cfg = self.config
     reward = {
       base.Outcome.WIN: cfg.win_reward,
@@ -311,7 +357,7 @@ class GameEnv:
     board = self.spec.render(self._state)
     legal = outcome is not base.Outcome.INVALID
     return base.StepResult(
-      f"{board}\n{verdict}", float(reward), True, self._info(outcome, legal, action)
+      f"{board}\n{verdict}", float(reward) + bonus, True, self._info(outcome, legal, action)
     )
 
   def _info(self, outcome: base.Outcome | None, legal: bool, action: int | None) -> dict[str, Any]:
@@ -330,6 +376,8 @@ class GameEnv:
     last = "-" if self._last_opponent is None else str(self._last_opponent)
     if self.config.observation is ObservationMode.MOVES:
       return f"{me} {last}"
+    if self.config.observation is ObservationMode.COLUMNS:
+      return f"{last} {self.spec.columns(self._state, self._me)}"
     board = self.spec.render(self._state)
     if self.config.observation is ObservationMode.COMPACT:
       return f"{board}\n{me} {last}"

@@ -24,12 +24,13 @@ def names() -> list[str]:
 def evaluations(name: str, opponents: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
   """How env ``name`` is evaluated: (metric name, config overrides) per evaluation suite.
 
-  Games play one suite per opponent in ``opponents`` (``train.eval_opponents``); the calculator
+  Games play one suite per opponent spec in ``opponents`` (``train.eval_opponents``, e.g.
+  ``mcts:25``, whose metrics are named ``mcts25``; see ``opponents.parse_spec``); the calculator
   has one suite, its own problems, and no opponent.
   """
   if name == CALCULATOR:
     return [(CALCULATOR, {})]
-  return [(opponent, {"opponent": opponent}) for opponent in opponents]
+  return [games.opponents.parse_spec(spec) for spec in opponents]
 
 
 def make(name: str, **kwargs: Any) -> base.Env:

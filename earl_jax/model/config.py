@@ -125,12 +125,4 @@ class TokenizerKind(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
   kind: TokenizerKind = TokenizerKind.CHAR
-  path: str = ""  # HF: local directory or hub repo id holding tokenizer.json
-
-  def __post_init__(self):
-    _require(
-      self.kind != TokenizerKind.HF or bool(self.path),
-      "path",
-      self.path,
-      "a directory or hub repo id when kind='hf'",
-    )
+  path: str = ""  # HF: local directory or hub repo id holding tokenizer.json ("" = pretrained_path)

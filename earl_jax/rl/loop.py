@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import signal
 import time
 from typing import Any
 
@@ -34,6 +35,8 @@ from earl_jax.rl import stages as stages_lib
 from earl_jax.types import Stage
 
 _ENV_SEED_STRIDE = 1_000_003  # env seeds of different config seeds never collide in practice
+# SIGTERM (schedulers, preemption) and Ctrl-C stop at the end of the step, after saving it.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _EVAL_SEED_BASE = 10**9  # evaluation episodes use a fixed, disjoint seed range
 
 
@@ -65,6 +68,7 @@ class Trainer:
     self._lock = workdir_lib.WorkdirLock(self.workdir, jax.process_index()).acquire()
     self.checkpointer = None
     self._config_checked: set[int] = set()
+    self._baselines: dict[str, Any] | None = None  # baselines(), once played or read back
     try:
       self._preflight()
       self._build()
@@ -186,12 +190,35 @@ class Trainer:
     on_device["lr"] = update.learning_rate_schedule(cfg.optim)(step * cfg.rl.optimizer_steps)
     return out, on_device
 
+  def _eval_seeds(self) -> range:
+    n = rollout.round_up(self.cfg.train.eval_episodes, self.cfg.rollout.num_slots)
+    return range(_EVAL_SEED_BASE, _EVAL_SEED_BASE + n)
+
+  def baselines(self) -> dict[str, Any]:
+    """The reference lines of the eval curves: each ``train.baselines`` policy's win rate
+    against each eval opponent, on the evaluation's own episode seeds. Played once per workdir
+    (kept as its ``baselines`` event, which later calls and resumed runs read back); {} when
+    none are configured. Payload: ``{"episodes", "seconds", "win_rate": {baseline: {opponent:
+    rate}}}``."""
+    cfg = self.cfg
+    if not cfg.train.baselines:
+      return {}
+    if self._baselines is None:
+      known = metrics_lib.read_events(self.workdir, kind="baselines")
+      if known and known[-1].get("specs") == list(cfg.train.baselines):
+        self._baselines = {k: known[-1][k] for k in ("episodes", "seconds", "win_rate")}
+      else:
+        start, seeds = time.perf_counter(), self._eval_seeds()
+        table = cfg.env.baselines(cfg.train.baselines, cfg.train.eval_opponents, seeds)
+        seconds = time.perf_counter() - start
+        self._baselines = {"episodes": len(seeds), "seconds": seconds, "win_rate": table}
+    return self._baselines
+
   def evaluate(self, step: int) -> dict[str, float]:
     """Greedy episodes on each of the env's evaluation suites (it names them)."""
     cfg, out = self.cfg, {}
     params, _ = self.stages.rollout_weights()
-    n = rollout.round_up(cfg.train.eval_episodes, cfg.rollout.num_slots)
-    episodes = [rollout.EpisodeSpec(seed=_EVAL_SEED_BASE + i, group_id=0) for i in range(n)]
+    episodes = [rollout.EpisodeSpec(seed=s, group_id=0) for s in self._eval_seeds()]
     for name, overrides in cfg.env.evaluations(cfg.train.eval_opponents):
       envs = [cfg.env.make(**overrides) for _ in range(cfg.rollout.num_slots)]
       rng = jax.random.key(step)
@@ -244,7 +271,7 @@ class Trainer:
     writer, uninstall = None, lambda: None
     try:
       self.restore(ckpt, resume)
-      uninstall = preemption.install_preemption_handler()
+      uninstall = preemption.install_preemption_handler(_say_stopping, signals=_STOP_SIGNALS)
       # One metrics stream per process: process 0 writes the workdir's, others their own folder.
       pid = jax.process_index()
       metrics_dir = self.workdir if pid == 0 else self.workdir / f"process_{pid}"
@@ -264,6 +291,10 @@ class Trainer:
     written, and a non-finite streak acted on, then."""
     cfg = self.cfg
     writer.write_event(self.start_step, "plan", {"plan": self.plans.describe()})
+    recorded = metrics_lib.read_events(writer.workdir, kind="baselines")
+    specs = list(cfg.train.baselines)
+    if self.baselines() and (not recorded or recorded[-1].get("specs") != specs):
+      writer.write_event(self.start_step, "baselines", {"specs": specs, **self.baselines()})
     if self.stages.selector is not None:
       self.stages.selector.metrics = writer  # every decision goes to events.jsonl
     log = _RowLog(cfg, writer, metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step))
@@ -299,7 +330,7 @@ class Trainer:
           )
         if stop:
           ckpt.wait()
-          logging.warning("SIGTERM: saved step %d, exiting", step)
+          logging.warning("%s: saved step %d, exiting", preemption.received(), step)
           break
     finally:
       profile.close()
@@ -355,6 +386,11 @@ class _RowLog:
 
 class NonFiniteError(RuntimeError):
   """Training stopped: too many optimiser steps in a row had non-finite gradients."""
+
+
+def _say_stopping(signum: int) -> None:
+  again = " (Ctrl-C again: quit now)" if signum == signal.SIGINT else ""
+  print(f"\n{signal.Signals(signum).name}: stopping after this step, once it is saved{again}")
 
 
 def _any_process(flag: bool) -> bool:

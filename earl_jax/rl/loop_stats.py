@@ -61,3 +61,17 @@ def dispatch_scalars(stats: DispatchStats, prefix: str) -> dict[str, float]:
   if stats.seconds is not None:
     out[f"{prefix}/seconds"] = stats.seconds
   return out
+
+
+def format_baselines(baselines: dict[str, Any]) -> str:
+  """The ``Trainer.baselines()`` payload as a small table: a row per baseline, a column per eval
+  opponent, win rates."""
+  table = baselines["win_rate"]
+  opponents = list(next(iter(table.values())))
+  width = max(len(b) for b in table) + 2
+  head = f"baselines: win rate over {baselines['episodes']} eval episodes "
+  head += f"({baselines['seconds']:.1f} s), against each eval opponent"
+  lines = [head, " " * width + "".join(f"{o:>11}" for o in opponents)]
+  for name, row in table.items():
+    lines.append(f"{name:<{width}}" + "".join(f"{row[o]:>11.3f}" for o in opponents))
+  return "\n".join(lines)

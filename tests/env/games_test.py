@@ -219,3 +219,30 @@ def test_moves_observation_shows_only_the_last_opponent_move():
   assert result.observation == "o 0" and not result.done  # first_legal plays 0 again
   with pytest.raises(ConfigError, match="observation"):
     env_lib.make("calculator", observation="moves")
+
+
+def test_columns_observation_is_the_board_from_the_policys_side():
+  env = env_lib.make(
+    "connect_four", observation="columns", model_side="second", opponent="first_legal"
+  )
+  assert env.reset(0) == "0 -||||||"  # first_legal opened in column 0
+  result = env.step("<move>3</move>")
+  assert result.observation == "0 --|||+|||"  # it plays 0 again; our piece sits in column 3
+  # Playing first, the same position reads the same from the policy's side: + is always ours.
+  first = env_lib.make(
+    "connect_four", observation="columns", model_side="first", opponent="first_legal"
+  )
+  assert first.reset(0) == "- ||||||"
+  assert first.step("<move>3</move>").observation == "0 -|||+|||"
+  with pytest.raises(ConfigError, match="observation"):
+    env_lib.make("tic_tac_toe", observation="columns")
+  with pytest.raises(ConfigError, match="observation"):
+    env_lib.make("calculator", observation="columns")
+
+
+def test_legal_move_reward_pays_each_legal_move_and_not_a_retry():
+  env = _env(legal_move_reward=0.01, invalid_penalty=-0.1)
+  env.reset(0)
+  rewards = [env.step(f"<move>{m}</move>").reward for m in (3, 9, 3, 3)]
+  assert rewards == [0.01, -0.1, 0.01, 0.01]
+  assert env.step("<move>3</move>").reward == pytest.approx(1.01)  # four in column 3: win + move

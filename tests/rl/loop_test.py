@@ -47,7 +47,7 @@ def _stable(rows):
 
 @pytest.mark.slow
 def test_two_steps_end_to_end(tmp_path, monkeypatch):
-  cfg = tiny_config(profile_steps=(1,), num_steps=3, checkpoint_every=100)
+  cfg = tiny_config(profile_steps=(1,), num_steps=3, checkpoint_every=100, baselines=("heuristic",))
   trainer = loop.Trainer(cfg, tmp_path)
   assert trainer.plans.describe()
   order = []
@@ -67,11 +67,18 @@ def test_two_steps_end_to_end(tmp_path, monkeypatch):
     assert r["update/skipped_updates"] == 0 and r["context_len/mean"] > 0
   assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoints").is_dir()
   assert len(list((tmp_path / "profile").rglob("*.xplane.pb"))) == 1  # train.profile_steps
-  # A second run in the same workdir finds the final checkpoint and has nothing left to do.
-  assert loop.Trainer(cfg, tmp_path).run() == []
+  # The baselines were played once, on the eval seeds, and recorded for the plots.
+  (event,) = metrics_lib.read_events(tmp_path, kind="baselines")
+  assert event["specs"] == ["heuristic"] and event["episodes"] == 8
+  assert 0.5 <= event["win_rate"]["heuristic"]["random"] <= 1.0
+  # A second run in the same workdir finds the final checkpoint and has nothing left to do; it
+  # reads the baselines back instead of playing them again.
+  again = loop.Trainer(cfg, tmp_path)
+  assert again.baselines()["seconds"] == event["seconds"]
+  assert again.run() == []
 
 
-def _train_subprocess(workdir: pathlib.Path, num_steps: int, checkpoint_every: int):
+def _train_subprocess(workdir: pathlib.Path, num_steps: int, checkpoint_every: int, **popen):
   code = (
     f"import sys; sys.path.insert(0, {str(REPO)!r});"
     "from tests.rl.loop_test import tiny_config; from earl_jax.rl import loop;"
@@ -79,7 +86,24 @@ def _train_subprocess(workdir: pathlib.Path, num_steps: int, checkpoint_every: i
     f"loop.Trainer(cfg, {str(workdir)!r}).run()"
   )
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO)
+  return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, **popen)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_step_and_exits_cleanly(tmp_path):
+  proc = _train_subprocess(tmp_path, 200, 1000, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  deadline = time.time() + 600
+  while not (tmp_path / "checkpoints" / "0").is_dir() and time.time() < deadline:
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  out, _ = proc.communicate(timeout=300)
+  text = out.decode(errors="replace")
+  assert proc.returncode == 0 and "Traceback" not in text, text[-3000:]
+  assert "SIGINT: stopping after this step" in text and "SIGINT: saved step" in text, text[-3000:]
+  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert 0 < steps[-1] < 199 and rows[-1]["step"] == steps[-1]  # stopped early, step saved
 
 
 @pytest.mark.slow
