@@ -69,6 +69,11 @@ class EnvConfig:
     ``env.registry.evaluations``)."""
     return env_registry.evaluations(self.name, opponents)
 
+  @property
+  def success(self) -> str:
+    """The outcome the headline rate counts: ``win`` in games, ``correct`` for the calculator."""
+    return "correct" if self.name == env_registry.CALCULATOR else "win"
+
   def baselines(
     self, specs: tuple[str, ...], opponents: tuple[str, ...], seeds: range
   ) -> dict[str, dict[str, float]]:

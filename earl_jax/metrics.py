@@ -7,7 +7,8 @@ through ``write_event``. ``launch/plot.py`` reads the files back with ``read_met
 line, flushed per write so a killed run keeps every complete line) and ``tb/`` (event files).
 
 Metric names shared by the loop, the progress bar and the plots (use these keys):
-  ``reward/mean`` (and ``reward/*``), ``win_rate``, ``eval/<opponent>/win_rate``,
+  ``reward/mean`` (and ``reward/*``), ``win_rate`` (games) or ``correct_rate`` (the calculator),
+  ``eval/<suite>/win_rate`` or ``eval/<suite>/correct_rate``,
   ``context_len/mean``, ``context_len/max``, ``time/<stage>`` (seconds, from ``StageTimer``).
 """
 
@@ -28,12 +29,15 @@ METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 TB_DIR = "tb"
 REWARD_KEY = "reward/mean"
+REWARD_STD_KEY = "reward/std"  # plotted on its own axis, not the reward's
 WIN_RATE_KEY = "win_rate"
+CORRECT_RATE_KEY = "correct_rate"  # the calculator's headline rate (games: win_rate)
 CONTEXT_MEAN_KEY = "context_len/mean"
 CONTEXT_MAX_KEY = "context_len/max"
 TIME_PREFIX = "time/"
 EVAL_PREFIX = "eval/"
 WIN_RATE_SUFFIX = "/win_rate"
+SUCCESS_SUFFIXES = (WIN_RATE_SUFFIX, "/" + CORRECT_RATE_KEY)  # eval/<suite>/<headline rate>
 _RESERVED = ("step", "time")
 
 
@@ -256,12 +260,14 @@ def format_scalars(scalars: Mapping[str, Any]) -> str:
   parts = []
   if REWARD_KEY in scalars:
     parts.append(f"rew {float(scalars[REWARD_KEY]):.3f}")
-  if WIN_RATE_KEY in scalars:
-    parts.append(f"win {float(scalars[WIN_RATE_KEY]):.2f}")
+  for key, short in ((WIN_RATE_KEY, "win"), (CORRECT_RATE_KEY, "correct")):
+    if key in scalars:
+      parts.append(f"{short} {float(scalars[key]):.2f}")
   for key in sorted(scalars):
-    if key.startswith(EVAL_PREFIX) and key.endswith(WIN_RATE_SUFFIX):
-      opponent = key[len(EVAL_PREFIX) : -len(WIN_RATE_SUFFIX)]
-      parts.append(f"win[{opponent}] {float(scalars[key]):.2f}")
+    for suffix in SUCCESS_SUFFIXES:
+      if key.startswith(EVAL_PREFIX) and key.endswith(suffix):
+        suite = key[len(EVAL_PREFIX) : -len(suffix)]
+        parts.append(f"{suffix[1:].split('_')[0]}[{suite}] {float(scalars[key]):.2f}")
   if CONTEXT_MEAN_KEY in scalars or CONTEXT_MAX_KEY in scalars:
     mean, peak = scalars.get(CONTEXT_MEAN_KEY), scalars.get(CONTEXT_MAX_KEY)
     text = "/".join(f"{float(v):.0f}" for v in (mean, peak) if v is not None)

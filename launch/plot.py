@@ -2,10 +2,14 @@ r"""Plots of a run's metrics.jsonl / events.jsonl as PNGs (the last step of the 
 
   python launch/plot.py --workdir W [--out W/plots]
 
-Writes, each only when its keys exist: reward.png (``reward/*``), eval_win_rate.png (one line per
-``eval/<opponent>/win_rate``), context_length.png (``context_len/mean``, ``context_len/max``),
-stage_times.png (``time/*`` stacked), selector_decisions.png (events of kind
-``selector_decision`` with fields stage, bucket, plan). Prints the paths written.
+Writes, each only when its keys exist: reward.png (``reward/mean`` and the train win rate,
+smoothed over the raw points; ``reward/std`` on its own axis below), eval_win_rate.png (a panel
+per ``eval/<opponent>/win_rate``, with the run's baselines as dashed reference lines, from its
+``baselines`` event), context_length.png (``context_len/mean``, ``context_len/max``),
+stage_times.png (the stages' ``time/*`` stacked, ``time/step`` not, which is their sum; steps
+that compiled a program are left out and marked, so the compile spikes do not flatten the rest),
+selector_decisions.png (events of kind ``selector_decision`` with fields stage, bucket, plan).
+Prints the paths written.
 """
 
 from __future__ import annotations
@@ -39,11 +43,6 @@ def _keys(rows: Rows, keep: Callable[[str], bool]) -> list[str]:
   return sorted({k for r in rows for k in r if k not in ("step", "time") and keep(k)})
 
 
-def _strip(prefix: str, suffix: str) -> Callable[[str], str]:
-  """Legend label of a key: the part between ``prefix`` and ``suffix`` (the opponent name)."""
-  return lambda key: key[len(prefix) : len(key) - len(suffix)]
-
-
 def _lines(
   path: pathlib.Path,
   rows: Rows,
@@ -64,16 +63,104 @@ def _lines(
   return path
 
 
-def _stage_times(path: pathlib.Path, rows: Rows, keys: list[str]) -> pathlib.Path:
+def smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
+  """Exponential moving average, debiased like TensorBoard's (the first points are not pulled
+  towards 0)."""
+  out, avg = np.empty_like(values), 0.0
+  for i, v in enumerate(values):
+    avg = weight * avg + (1 - weight) * v
+    out[i] = avg / (1 - weight ** (i + 1))
+  return out
+
+
+def _smoothed(ax: Any, rows: Rows, key: str, label: str) -> None:
+  steps, values = _series(rows, key)
+  (raw,) = ax.plot(steps, values, alpha=0.25, linewidth=0.8)
+  ax.plot(steps, smooth(values), color=raw.get_color(), label=f"{label} (smoothed)")
+
+
+def _reward(path: pathlib.Path, rows: Rows, keys: list[str], std: bool) -> pathlib.Path:
+  fig, axes = plt.subplots(2 if std else 1, 1, figsize=(7, 6 if std else 4), sharex=True)
+  top = axes[0] if std else axes
+  for key in keys:
+    _smoothed(top, rows, key, key)
+  top.set(title="Training reward and win rate (raw behind)", ylabel="reward / rate")
+  top.grid(alpha=0.3)
+  top.legend(fontsize="small")
+  if std:
+    _smoothed(axes[1], rows, metrics_lib.REWARD_STD_KEY, metrics_lib.REWARD_STD_KEY)
+    axes[1].set(ylabel="reward std (in a batch)", xlabel="step")
+    axes[1].grid(alpha=0.3)
+  else:
+    top.set(xlabel="step")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def stage_series(rows: Rows, keys: list[str]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+  """(steps, seconds per key x step, steps left out): the rows with stage times, in step order,
+  except those whose step compiled a program (``compilations`` rose, or the first row of a run
+  segment) — compile time there dwarfs the steady state."""
   timed = sorted((r for r in rows if any(k in r for k in keys)), key=lambda r: r["step"])
-  steps = np.asarray([r["step"] for r in timed])
+  kept, compiled, before = [], [], None
+  for r in timed:
+    count = r.get("compilations")
+    if count is not None and (before is None or count > before):
+      compiled.append(r["step"])
+    else:
+      kept.append(r)
+    before = count if count is not None else before
   # A stage not run at some step (e.g. eval) contributes 0 s there.
-  seconds_NxT = np.asarray([[float(r.get(k, 0.0)) for r in timed] for k in keys])
+  seconds_NxT = np.asarray([[float(r.get(k, 0.0)) for r in kept] for k in keys])
+  return np.asarray([r["step"] for r in kept]), seconds_NxT, compiled
+
+
+def _stage_times(path: pathlib.Path, rows: Rows, keys: list[str]) -> pathlib.Path:
+  steps, seconds_NxT, compiled = stage_series(rows, keys)
   fig, ax = plt.subplots(figsize=(7, 4))
-  ax.stackplot(steps, seconds_NxT, labels=[k[len(metrics_lib.TIME_PREFIX) :] for k in keys])
+  if len(steps):
+    ax.stackplot(steps, seconds_NxT, labels=[k[len(metrics_lib.TIME_PREFIX) :] for k in keys])
+  for i, step in enumerate(compiled):
+    label = f"compiled (left out: {len(compiled)} steps)" if i == 0 else None
+    ax.axvline(step, color="grey", linestyle=":", linewidth=0.8, label=label)
   # Host time: asynchronous stages show their device time where the host next waits (the rollout).
   ax.set(title="Host wall time per stage and step (stacked)", xlabel="step", ylabel="seconds")
   ax.legend(fontsize="small", loc="upper left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def baseline_lines(events: Rows) -> dict[str, dict[str, float]]:
+  """{opponent: {baseline: win rate}} from the newest ``baselines`` event ({} if none)."""
+  if not events:
+    return {}
+  out: dict[str, dict[str, float]] = {}
+  for baseline, row in events[-1]["win_rate"].items():
+    for opponent, rate in row.items():
+      out.setdefault(opponent, {})[baseline] = float(rate)
+  return out
+
+
+def _eval_win_rate(
+  path: pathlib.Path, rows: Rows, keys: list[str], baselines: dict[str, dict[str, float]]
+) -> pathlib.Path:
+  fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
+  styles = ["--", "-.", ":", (0, (5, 1))]
+  for ax, key in zip(axes[0], keys):
+    suite, rate = key[len(metrics_lib.EVAL_PREFIX) :].rsplit("/", 1)
+    ax.plot(*_series(rows, key), marker=".", color="black", label="policy (greedy)")
+    for i, (name, value) in enumerate(sorted(baselines.get(suite, {}).items())):
+      style = styles[i % len(styles)]
+      ax.axhline(value, linestyle=style, color=f"C{i}", label=f"{name} {value:.2f}")
+    ylabel = rate.replace("_", " ")
+    ax.set(title=f"vs {suite}", xlabel="step", ylabel=ylabel, ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower right")
+  fig.suptitle("Eval per suite (dashed: baselines on the same episodes)")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -119,15 +206,17 @@ def plot_workdir(
   out = pathlib.Path(workdir) / "plots" if out is None else pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   written = []
-  reward = _keys(rows, lambda k: k == "reward" or k.startswith("reward/"))
+  std = metrics_lib.REWARD_STD_KEY
+  reward = _keys(rows, lambda k: k.startswith("reward") and k != std)
+  reward += _keys(rows, lambda k: k in (metrics_lib.WIN_RATE_KEY, metrics_lib.CORRECT_RATE_KEY))
   if reward:
-    written.append(_lines(out / "reward.png", rows, reward, "Reward", "reward"))
-  prefix, suffix = metrics_lib.EVAL_PREFIX, metrics_lib.WIN_RATE_SUFFIX
-  win = _keys(rows, lambda k: k.startswith(prefix) and k.endswith(suffix))
+    has_std = any(std in r for r in rows)
+    written.append(_reward(out / "reward.png", rows, reward, has_std))
+  prefix, suffixes = metrics_lib.EVAL_PREFIX, metrics_lib.SUCCESS_SUFFIXES
+  win = _keys(rows, lambda k: k.startswith(prefix) and k.endswith(suffixes))
   if win:
-    path = out / "eval_win_rate.png"
-    opponent = _strip(prefix, suffix)
-    written.append(_lines(path, rows, win, "Eval win rate per opponent", "win rate", opponent))
+    lines = baseline_lines(metrics_lib.read_events(workdir, kind="baselines"))
+    written.append(_eval_win_rate(out / "eval_win_rate.png", rows, win, lines))
   present = set(_keys(rows, lambda k: True))
   context = [k for k in (metrics_lib.CONTEXT_MEAN_KEY, metrics_lib.CONTEXT_MAX_KEY) if k in present]
   if context:

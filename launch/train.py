@@ -144,6 +144,9 @@ def main(argv: list[str]) -> None:
     distributed.initialize(peer_timeout_s=_PEER_TIMEOUT.value)
   config_file = pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"]))
   workdir = _WORKDIR.value or str(_REPO / "runs" / config_file.stem)
+  if not jax.config.jax_compilation_cache_dir:  # unless the user chose one (JAX_COMPILATION_...)
+    # A restarted or resumed run reuses the programs compiled before instead of compiling again.
+    jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(workdir) / "compile_cache"))
   print(f"config {config_file.name}; workdir {workdir}")
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
   try:

@@ -39,7 +39,8 @@ right) in Connect Four and the cell (0-8, row by row; empty cells show their id)
 The tag name and the parser are configurable (``action_tag``, ``parse_mode``, see ``parsing``).
 An invalid answer (unparseable or illegal) costs ``invalid_penalty`` and either ends the episode
 (outcome ``invalid``, reward ``forfeit_reward``) or gets the short observation
-``invalid; legal: 0 1 2 4 5 6`` and another try, at most ``max_retries`` in a row. Terminal
+``invalid; legal: 0 1 2 4 5 6`` (``invalid`` alone with the columns observation, whose board
+shows the full columns) and another try, at most ``max_retries`` in a row. Terminal
 observations are the final board and a line ``win``/``loss``/``draw``/``invalid`` (verbose:
 ``Result: ...``). Rewards: ``win_reward``, ``draw_reward``, ``loss_reward`` on the final step,
 ``invalid_penalty`` per invalid answer that is asked again, ``legal_move_reward`` per legal move
@@ -331,7 +332,9 @@ class GameEnv:
     if cfg.on_invalid is base.OnInvalid.END or self._retries > cfg.max_retries:
       return self._finish(base.Outcome.INVALID, action)
     moves = " ".join(str(a) for a in legal)
-    if cfg.observation is not ObservationMode.VERBOSE:
+    if cfg.observation is ObservationMode.COLUMNS:
+      obs = "invalid"  # the board it answered shows the full columns; keep retries short
+    elif cfg.observation is not ObservationMode.VERBOSE:
       obs = f"invalid; legal: {moves}"
     else:
       what = "could not be read" if action is None else f"{action} is not legal"

@@ -89,6 +89,7 @@ class ExecutableCache:
   def __init__(self) -> None:
     self._programs: dict[Hashable, StageProgram] = {}
     self.compilations = 0
+    self.compile_seconds: dict[str, float] = {}  # per stage: lowering + compiling, all programs
 
   def get(
     self,
@@ -110,6 +111,8 @@ class ExecutableCache:
       )
       self._programs[key] = program
       self.compilations += 1
+      name = getattr(stage, "value", str(stage))
+      self.compile_seconds[name] = self.compile_seconds.get(name, 0.0) + seconds
     return program
 
   def __len__(self) -> int:

@@ -68,6 +68,7 @@ class Trainer:
     self._lock = workdir_lib.WorkdirLock(self.workdir, jax.process_index()).acquire()
     self.checkpointer = None
     self._config_checked: set[int] = set()
+    self._compiled_seconds: dict[str, float] = {}  # the cache's totals at the last row
     self._baselines: dict[str, Any] | None = None  # baselines(), once played or read back
     try:
       self._preflight()
@@ -183,7 +184,7 @@ class Trainer:
       # (its disk writes overlapped with this step's rollout).
       self.checkpointer.wait()
       update_metrics = stages.update(adv)
-    out = loop_stats.rollout_scalars(result)
+    out = loop_stats.rollout_scalars(result, cfg.env.success)
     out.update(loop_stats.dispatch_scalars(dispatch_stats, "dispatch"))
     out.update(loop_stats.dispatch_scalars(sync_stats, "sync"))
     on_device = {f"update/{k}": v for k, v in update_metrics.items()}
@@ -223,7 +224,7 @@ class Trainer:
       envs = [cfg.env.make(**overrides) for _ in range(cfg.rollout.num_slots)]
       rng = jax.random.key(step)
       result = self.stages.rollout(params, episodes, envs, self.fmt, rng, evaluation=True)
-      out.update(loop_stats.outcome_rates(result.episodes, f"eval/{name}"))
+      out.update(loop_stats.outcome_rates(result.episodes, f"eval/{name}", cfg.env.success))
     return out
 
   def restore(self, ckpt: checkpoint_lib.Checkpointer, resume: str = "auto") -> None:
@@ -348,7 +349,12 @@ class Trainer:
     scalars.update(timer.summary(reset=True))
     scalars["time/step"] = time.perf_counter() - start
     scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
-    scalars["compilations"] = self.stages.cache.compilations
+    cache = self.stages.cache
+    scalars["compilations"] = cache.compilations
+    for stage, total in cache.compile_seconds.items():  # seconds this step spent compiling
+      if total > self._compiled_seconds.get(stage, 0.0):
+        scalars[f"compile/{stage}_seconds"] = total - self._compiled_seconds.get(stage, 0.0)
+    self._compiled_seconds = dict(cache.compile_seconds)
     return _Row(step, scalars, on_device)
 
 

@@ -19,24 +19,30 @@ from earl_jax.rl.rollout import EpisodeStats, RolloutResult
 _OUTCOMES = ("win", "draw", "loss", "invalid", "correct", "wrong", "truncated", "max_turns")
 
 
-def outcome_rates(episodes: Sequence[EpisodeStats], prefix: str) -> dict[str, float]:
-  """Fraction of episodes per outcome (win/draw/loss/invalid/...) and invalid moves per turn."""
+def outcome_rates(
+  episodes: Sequence[EpisodeStats], prefix: str, success: str = "win"
+) -> dict[str, float]:
+  """Fraction of episodes per outcome (win/draw/loss/invalid/...; ``{success}_rate`` and
+  ``invalid_rate`` always, the others when they occur) and invalid answers per turn."""
   n = max(len(episodes), 1)
   out = {f"{prefix}/{o}_rate": sum(e.outcome == o for e in episodes) / n for o in _OUTCOMES}
-  out = {k: v for k, v in out.items() if v > 0 or k.endswith(("win_rate", "invalid_rate"))}
+  kept = (f"{success}_rate", "invalid_rate")
+  out = {k: v for k, v in out.items() if v > 0 or k.endswith(kept)}
   turns = max(sum(e.turns for e in episodes), 1)
-  out[f"{prefix}/invalid_move_rate"] = sum(e.invalid_moves for e in episodes) / turns
+  out[f"{prefix}/invalid_answer_rate"] = sum(e.invalid_moves for e in episodes) / turns
   out[f"{prefix}/reward"] = float(np.mean([e.reward for e in episodes])) if episodes else 0.0
   return out
 
 
-def rollout_scalars(result: RolloutResult) -> dict[str, Any]:
+def rollout_scalars(result: RolloutResult, success: str = "win") -> dict[str, Any]:
+  """The rollout's row: reward, context, throughput and outcome rates; the headline rate is
+  ``{success}_rate`` (``win_rate`` for games, ``correct_rate`` for the calculator)."""
   episodes = result.episodes
   lengths = np.asarray([e.context_len for e in episodes])
   turns = np.asarray([e.turns for e in episodes])
   out: dict[str, Any] = {
     metrics_lib.REWARD_KEY: float(np.mean([e.reward for e in episodes])),
-    "reward/std": float(np.std([e.reward for e in episodes])),
+    metrics_lib.REWARD_STD_KEY: float(np.std([e.reward for e in episodes])),
     metrics_lib.CONTEXT_MEAN_KEY: float(lengths.mean()),
     metrics_lib.CONTEXT_MAX_KEY: int(lengths.max()),
     "context_len/p90": float(np.percentile(lengths, 90)),
@@ -47,8 +53,8 @@ def rollout_scalars(result: RolloutResult) -> dict[str, Any]:
     "rollout/episodes_per_second": len(episodes) / max(result.seconds, 1e-9),
     "batch/seq_len": int(result.batch.tokens_BxT.shape[1]),
   }
-  rates = outcome_rates(episodes, "train")
-  out[metrics_lib.WIN_RATE_KEY] = rates.pop("train/win_rate")
+  rates = outcome_rates(episodes, "train", success)
+  out[f"{success}_rate"] = rates.pop(f"train/{success}_rate")
   out.update(rates)
   return out
 

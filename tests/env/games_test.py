@@ -228,6 +228,7 @@ def test_columns_observation_is_the_board_from_the_policys_side():
   assert env.reset(0) == "0 -||||||"  # first_legal opened in column 0
   result = env.step("<move>3</move>")
   assert result.observation == "0 --|||+|||"  # it plays 0 again; our piece sits in column 3
+  assert env.step("<move>9</move>").observation == "invalid"  # the board shows what is legal
   # Playing first, the same position reads the same from the policy's side: + is always ours.
   first = env_lib.make(
     "connect_four", observation="columns", model_side="first", opponent="first_legal"

@@ -58,6 +58,9 @@ def test_two_steps_end_to_end(tmp_path, monkeypatch):
   monkeypatch.setattr(loop._RowLog, "finish", lambda s, r: order.append(r.step) or finish(s, r))
   rows = trainer.run()
   assert [r["step"] for r in rows] == [0, 1, 2]
+  # Compile time per stage program, in the row of the step that compiled it.
+  assert all(rows[0][f"compile/{s}_seconds"] > 0 for s in ("rollout", "reference", "update"))
+  assert not any(k.startswith("compile/update") for r in rows[1:] for k in r)
   # Step 1's metrics are fetched only after step 2's update is dispatched. Step 0 is a checkpoint
   # step: its row is written before it is saved (a checkpoint never runs ahead of the log).
   assert order == ["update", 0, "update", "update", 1, 2]

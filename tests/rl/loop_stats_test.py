@@ -1,0 +1,40 @@
+"""Metric names per environment and the baselines table: what the rows and the bar call things."""
+
+from earl_jax import metrics as metrics_lib
+from earl_jax.rl import loop_stats
+from earl_jax.rl.rollout import EpisodeStats
+
+
+def _episodes(*outcomes):
+  return [
+    EpisodeStats(seed=i, group_id=0, turns=4, reward=1.0, outcome=o, invalid_moves=1)
+    for i, o in enumerate(outcomes)
+  ]
+
+
+def test_games_report_wins_and_the_calculator_reports_correct_answers():
+  games = loop_stats.outcome_rates(_episodes("win", "loss"), "eval/random")
+  assert games["eval/random/win_rate"] == 0.5 and "eval/random/correct_rate" not in games
+  calc = loop_stats.outcome_rates(_episodes("wrong", "wrong"), "eval/calculator", "correct")
+  assert calc["eval/calculator/correct_rate"] == 0.0  # kept at 0: it is the headline rate
+  assert not any("win" in k or "move" in k for k in calc), calc  # no game words
+  assert calc["eval/calculator/invalid_answer_rate"] == 0.25  # 1 invalid answer in 4 turns
+  bar = metrics_lib.format_scalars({"correct_rate": 0.5, "eval/calculator/correct_rate": 0.25})
+  assert bar == "correct 0.50 | correct[calculator] 0.25"
+
+
+def test_baselines_table():
+  text = loop_stats.format_baselines(
+    {
+      "episodes": 64,
+      "seconds": 2.0,
+      "win_rate": {
+        "column": {"random": 0.7, "mcts10": 0.5},
+        "heuristic": {"random": 0.98, "mcts10": 0.6},
+      },
+    }
+  )
+  lines = text.splitlines()
+  assert "64 eval episodes" in lines[0] and lines[1].split() == ["random", "mcts10"]
+  assert lines[2].split() == ["column", "0.700", "0.500"]
+  assert lines[3].split() == ["heuristic", "0.980", "0.600"]
