@@ -23,4 +23,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.max_context = 256
   c.model.max_seq_len = 256
   c.train.eval_opponents = ()
+  c.train.baselines = ()  # scripted baselines are game players
   return c

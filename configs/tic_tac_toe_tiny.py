@@ -14,4 +14,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.max_turns = 8  # at most 5 moves per side, plus retries
   c.rollout.max_context = 256
   c.model.max_seq_len = 256
+  c.train.baselines = ("heuristic", "mcts:10", "mcts:50")  # one fixed cell forfeits at once
   return c

@@ -31,6 +31,10 @@ def tiny_config(**train) -> config_lib.ExperimentConfig:
   c.rollout.num_slots, c.rl.num_groups, c.rl.group_size = 8, 4, 2
   c.rollout.max_turns = 4
   c.train.num_steps, c.train.eval_every, c.train.eval_episodes = 2, 1, 8
+  # The loop's mechanics, cheaply: one optimiser step a step, one eval suite, no baselines
+  # (tests that need them ask for them).
+  c.rl.ppo_epochs, c.rl.mini_batches = 1, 1
+  c.train.eval_opponents, c.train.baselines = ("random",), ()
   c.parallel.update_layout.fsdp, c.parallel.update_layout.tensor = (
     2,
     2,
