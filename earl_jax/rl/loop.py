@@ -291,6 +291,8 @@ class Trainer:
     rollout needs the updated weights anyway), so the host never waits for them; its row is
     written, and a non-finite streak acted on, then."""
     cfg = self.cfg
+    if self.start_step >= cfg.train.num_steps:
+      return []  # a finished run: nothing to train, no bar to draw (the launcher says so)
     writer.write_event(self.start_step, "plan", {"plan": self.plans.describe()})
     recorded = metrics_lib.read_events(writer.workdir, kind="baselines")
     specs = list(cfg.train.baselines)
