@@ -49,11 +49,10 @@ def _lines(
   keys: list[str],
   title: str,
   ylabel: str,
-  label: Callable[[str], str] = str,
 ) -> pathlib.Path:
   fig, ax = plt.subplots(figsize=(7, 4))
   for key in keys:
-    ax.plot(*_series(rows, key), marker=".", label=label(key))
+    ax.plot(*_series(rows, key), marker=".", label=key)
   ax.set(title=title, xlabel="step", ylabel=ylabel)
   ax.grid(alpha=0.3)
   ax.legend(fontsize="small")

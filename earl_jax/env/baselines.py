@@ -38,19 +38,15 @@ def parse_spec(spec: str, key: str = "train.baselines") -> tuple[str, int | None
 
 
 def _player(kind: str, arg: int | None, env: games.GameEnv, seed: int) -> Callable[[], int]:
-  """This episode's baseline: a function of nothing (it reads ``env.state``) -> an action."""
-  rng = base.derive_rng(seed, "baseline")
-  cfg = env.config
+  """This episode's baseline: a function of nothing (it reads ``env.state``) -> an action. Every
+  kind but ``column`` is the opponent of the same name, playing the policy's side."""
   if kind == "column":
     return lambda: int(arg)
-  if kind == "random":
-    return lambda: int(rng.choice(env.state.legal_actions()))
-  if kind == "heuristic":
-    return lambda: opponents.one_ply(env.state, rng)
+  cfg = env.config
   bot = opponents.make_opponent(
-    opponents.OpponentKind.MCTS,
+    opponents.OpponentKind(kind),
     env.game,
-    rng,
+    base.derive_rng(seed, "baseline"),
     mcts_simulations=arg or cfg.mcts_simulations,
     mcts_rollouts=cfg.mcts_rollouts,
     mcts_uct_c=cfg.mcts_uct_c,

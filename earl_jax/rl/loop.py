@@ -70,6 +70,7 @@ class Trainer:
     self._config_checked: set[int] = set()
     self._compiled_seconds: dict[str, float] = {}  # the cache's totals at the last row
     self._baselines: dict[str, Any] | None = None  # baselines(), once played or read back
+    self._baselines_recorded = False  # whether the workdir's events hold that table
     try:
       self._preflight()
       self._build()
@@ -206,7 +207,8 @@ class Trainer:
       return {}
     if self._baselines is None:
       known = metrics_lib.read_events(self.workdir, kind="baselines")
-      if known and known[-1].get("specs") == list(cfg.train.baselines):
+      self._baselines_recorded = bool(known) and known[-1].get("specs") == list(cfg.train.baselines)
+      if self._baselines_recorded:
         self._baselines = {k: known[-1][k] for k in ("episodes", "seconds", "win_rate")}
       else:
         start, seeds = time.perf_counter(), self._eval_seeds()
@@ -294,10 +296,10 @@ class Trainer:
     if self.start_step >= cfg.train.num_steps:
       return []  # a finished run: nothing to train, no bar to draw (the launcher says so)
     writer.write_event(self.start_step, "plan", {"plan": self.plans.describe()})
-    recorded = metrics_lib.read_events(writer.workdir, kind="baselines")
-    specs = list(cfg.train.baselines)
-    if self.baselines() and (not recorded or recorded[-1].get("specs") != specs):
+    if self.baselines() and not self._baselines_recorded:  # played now, not read back
+      specs = list(cfg.train.baselines)
       writer.write_event(self.start_step, "baselines", {"specs": specs, **self.baselines()})
+      self._baselines_recorded = True
     if self.stages.selector is not None:
       self.stages.selector.metrics = writer  # every decision goes to events.jsonl
     log = _RowLog(cfg, writer, metrics_lib.Progress(cfg.train.num_steps, initial=self.start_step))
