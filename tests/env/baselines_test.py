@@ -76,7 +76,7 @@ def test_column_baseline_forfeits_a_full_column():
 def test_tic_tac_toe_heuristic_rarely_loses():
   make = lambda: env_lib.make("tic_tac_toe", opponent="random", model_side="alternate")  # noqa: E731
   rates = baselines.play("heuristic", make, range(30))
-  assert rates["loss"] <= 0.1 and rates["win"] >= 0.65, rates
+  assert rates["loss"] <= 3 / 30 and rates["win"] >= 20 / 30, rates
 
 
 def test_mcts_baseline_and_table():
