@@ -35,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.attention = "auto"  # auto | naive | chunked (O(T) memory) | cudnn (GPU) | splash (TPU)
   m.attention_block = 512  # query/key block of the chunked and splash attention kernels
   m.scan_layers = True  # scan the stacked blocks (compile time independent of depth)
+  m.decode_layers = "auto"  # decode loop: scan | unrolled (weights sliced once per call) | auto
 
   r = m.rope = ml_collections.ConfigDict()
   r.theta = 10000.0  # RoPE base (HF rope_theta)

@@ -243,8 +243,12 @@ def _chunked_bwd(block_size, residuals, d_out_BxTxHxDh):
   s, num_kv = k.shape[1], k.shape[2]
   q_N, slots_N, bq = _q_blocks(q, q_slots, num_kv, block_size)
   do_N = _q_blocks(d_out_BxTxHxDh.astype(jnp.float32), q_slots, num_kv, block_size)[0]
-  o_N = _q_blocks(out.astype(jnp.float32), q_slots, num_kv, block_size)[0]
-  delta_N = jnp.einsum("nbqkgd,nbqkgd->nbkgq", do_N, o_N)  # rowsum(dO * O)
+  # rowsum(dO * O), reduced on the [B, T, H, Dh] arrays before blocking: reduced on the 6-D
+  # blocks (einsum or sum alike) XLA's CPU backend took ~35x longer, ~0.1 s per layer at 30M.
+  delta_BxTxH = jnp.sum(d_out_BxTxHxDh.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta_N = jnp.moveaxis(
+    _q_blocks(delta_BxTxH[..., None], q_slots, num_kv, block_size)[0][..., 0], 2, -1
+  )
   hi_N = jnp.max(slots_N, axis=(1, 2))
   nq = q_N.shape[0]
   bk = min(block_size, s)

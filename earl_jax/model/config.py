@@ -80,6 +80,11 @@ class ModelConfig:
   attention: str = "auto"  # auto | naive | chunked | cudnn | splash (model/attention.py)
   attention_block: int = 512  # query/key block of the chunked and splash kernels
   scan_layers: bool = True  # run the stacked blocks with lax.scan (False: unrolled, debugging)
+  # The token-by-token decode loop: "scan" runs the stacked blocks with lax.scan (each step slices
+  # every layer's weights out of the stack); "unrolled" slices them once per generate call and
+  # runs the layers unrolled (faster on CPU, where XLA copies each slice; compiles a body per
+  # layer); "auto" = unrolled on CPU, scan elsewhere.
+  decode_layers: str = "auto"
 
   def __post_init__(self):
     for key in ("vocab_size", "embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads"):
@@ -99,6 +104,8 @@ class ModelConfig:
     impls = ("auto", "naive", "chunked", "cudnn", "splash")
     _require(self.attention in impls, "attention", self.attention, " | ".join(impls))
     _require(self.attention_block > 0, "attention_block", self.attention_block, "a positive int")
+    loops = ("auto", "scan", "unrolled")
+    _require(self.decode_layers in loops, "decode_layers", self.decode_layers, " | ".join(loops))
 
   @property
   def padded_vocab_size(self) -> int:

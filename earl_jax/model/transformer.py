@@ -129,13 +129,30 @@ class Decoder(nnx.Module):
           f"{name} has shape {arr.shape}; it must match tokens_BxT {tokens_BxT.shape}"
         )
 
+  def layer_states(self) -> list[nnx.State]:
+    """The stacked blocks' parameters split into one state per layer, for ``hidden(layers=...)``
+    in a loop of many steps (the decode loop): sliced once, outside the loop."""
+    _, state = nnx.split(self.blocks)
+    return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.cfg.num_layers)]
+
   def _run_blocks(
-    self, x_BxTxD: jax.Array, rope: tuple, vis: Visibility, kv: _KV | None, remat: str
+    self,
+    x_BxTxD: jax.Array,
+    rope: tuple,
+    vis: Visibility,
+    kv: _KV | None,
+    remat: str,
+    layers: list[nnx.State] | None = None,
   ) -> tuple[jax.Array, _KV | None]:
     """All layers: one ``lax.scan`` over the stacked parameters (``cfg.scan_layers``), so the
-    program holds one copy of the block whatever the depth; or unrolled, for debugging. The KV
-    cache rides in the carry and each layer writes its own slice in place."""
+    program holds one copy of the block whatever the depth; or unrolled, for debugging, or over
+    ``layers`` already split per layer. The KV cache rides in the carry and each layer writes its
+    own slice in place."""
     graphdef, state = nnx.split(self.blocks)
+    if layers is not None:
+      for i, layer_state in enumerate(layers):
+        x_BxTxD, kv = nnx.merge(graphdef, layer_state)(x_BxTxD, rope, vis, kv, i)
+      return x_BxTxD, kv
 
     def body(carry, xs):
       x_BxTxD, kv = carry
@@ -161,6 +178,7 @@ class Decoder(nnx.Module):
     mask_BxT: jax.Array,
     cache: KVCache | None = None,
     remat: str = "none",
+    layers: list[nnx.State] | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Final-normed hidden states [B, T, D] (compute dtype) and the updated cache.
 
@@ -169,6 +187,7 @@ class Decoder(nnx.Module):
     advances by their count, and each token attends to the valid slots <= its own. Padding
     tokens attend to nothing (their hidden states are meaningless and never read).
     ``positions_BxT`` are the RoPE positions. ``remat`` ("none" | "full" | "dots") is static.
+    ``layers``: the blocks' parameters from ``layer_states()``, run unrolled (the decode loop).
     """
     self._check_inputs(tokens_BxT, positions_BxT, mask_BxT, remat)
     cfg, t = self.cfg, tokens_BxT.shape[1]
@@ -185,7 +204,7 @@ class Decoder(nnx.Module):
       cache = kv_cache.mark_written(cache, slots_BxT, mask_BxT)
       vis = Visibility(jnp.where(mask_BxT, slots_BxT, -1), cache.valid_BxS, slots_BxT)
       kv = (cache.k, cache.v)
-    x_BxTxD, kv = self._run_blocks(x_BxTxD, rope_BxTxDh, vis, kv, remat)
+    x_BxTxD, kv = self._run_blocks(x_BxTxD, rope_BxTxDh, vis, kv, remat, layers)
     if cache is not None:
       cache = cache.replace(k=kv[0], v=kv[1])
     return self.final_norm(x_BxTxD), cache
@@ -194,12 +213,16 @@ class Decoder(nnx.Module):
     """Logits [B, T, padded_vocab_size] in float32; padding columns are ``PAD_LOGIT``."""
     cfg = self.cfg
     h_BxTxD = h_BxTxD.astype(cfg.compute_dtype.jnp)
+    b, t, d = h_BxTxD.shape
+    h_MxD = h_BxTxD.reshape(b * t, d)  # 2-D: see layers.dense (no transposed copies on CPU)
     if self.lm_head is None:
-      w_VxD = self.embed[...].astype(h_BxTxD.dtype)
-      logits_BxTxV = jnp.einsum("btd,vd->btv", h_BxTxD, w_VxD, preferred_element_type=jnp.float32)
+      w = self.embed[...].astype(h_BxTxD.dtype)  # [V, D]
+      dims = (((1,), (1,)), ((), ()))
     else:
-      w_DxV = self.lm_head[...].astype(h_BxTxD.dtype)
-      logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, w_DxV, preferred_element_type=jnp.float32)
+      w = self.lm_head[...].astype(h_BxTxD.dtype)  # [D, V]
+      dims = (((1,), (0,)), ((), ()))
+    logits_MxV = jax.lax.dot_general(h_MxD, w, dims, preferred_element_type=jnp.float32)
+    logits_BxTxV = logits_MxV.reshape(b, t, -1)
     real_1x1xV = (jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size)[None, None, :]
     return jnp.where(real_1x1xV, logits_BxTxV, PAD_LOGIT)
 

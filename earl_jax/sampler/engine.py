@@ -126,7 +126,7 @@ def generate(
     cache=cache,
     rng=rng,
   )
-  step = functools.partial(_decode_step, model, spec, stops_SxM)
+  step = functools.partial(_decode_step, model, spec, stops_SxM, _decode_layers(model))
   end = jax.lax.while_loop(lambda c: (c.i < n) & ~jnp.all(c.done_B), step, init)
   result = GenerateOutput(
     tokens_BxN=end.tokens_BxN,
@@ -168,7 +168,16 @@ def _prefill(model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, ac
   return logits_BxV, pos_B, active_B, cache
 
 
-def _decode_step(model, spec: GenerationSpec, stops_SxM: jax.Array, c: _Decode) -> _Decode:
+def _decode_layers(model) -> list | None:
+  """Per-layer weights for the decode loop, sliced here once (``ModelConfig.decode_layers``);
+  None: the loop scans the stacked blocks."""
+  how = model.cfg.decode_layers
+  if how == "auto":
+    how = "unrolled" if jax.default_backend() == "cpu" else "scan"
+  return model.layer_states() if how == "unrolled" else None
+
+
+def _decode_step(model, spec: GenerationSpec, stops_SxM: jax.Array, layers, c: _Decode) -> _Decode:
   """Samples one token per live row, records it, and feeds it through the model."""
   rng, key = jax.random.split(c.rng)
   tok_B, logp_B = spec.strategy.sample(c.logits_BxV, key)
@@ -179,7 +188,7 @@ def _decode_step(model, spec: GenerationSpec, stops_SxM: jax.Array, c: _Decode) 
   hit_B = live_B & jnp.any(match_BxS, axis=-1)  # False when there are no stop sequences
   # Feed the token just sampled (the stop token too) so the cache holds the whole turn.
   h_Bx1xD, cache = model.hidden(
-    tok_B[:, None], c.pos_B[:, None], mask_BxT=live_B[:, None], cache=c.cache
+    tok_B[:, None], c.pos_B[:, None], mask_BxT=live_B[:, None], cache=c.cache, layers=layers
   )
   return _Decode(
     i=c.i + 1,
