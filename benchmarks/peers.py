@@ -20,16 +20,17 @@ Work, all float32:
              objective, one optimiser step, so the ratio is 1); torch: the same loss written out.
 
 earl_jax runs on 1 device and on the default mesh (--devices; N devices = data-parallel N, the
-default run's layout). The processes' CPU devices are simulated (XLA_FLAGS, set below), PyTorch uses
---threads threads. Repetitions are interleaved (every variant once per round, --pause seconds idle
-before each call), the table gives the
-median and the range; compile time is measured apart and never counted in the throughput.
+default run's layout). Each side runs in its own process (see ``Remote``); the CPU devices are
+simulated (XLA_FLAGS, set below), PyTorch uses --threads threads. Repetitions are interleaved
+(every variant once per round, --pause seconds idle before each call), the table gives the median
+and the range; compile time is measured apart and never counted in the throughput.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import os
 import statistics
 import sys
@@ -254,6 +255,7 @@ class TorchSide:
     self.model = transformers.AutoModelForCausalLM.from_pretrained(
       ckpt, dtype=torch.float32, attn_implementation="sdpa"
     )
+    self.vocab_size = self.model.config.vocab_size
 
   def _logps(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     logits = self.model(input_ids=tokens, attention_mask=valid.long()).logits
@@ -320,6 +322,85 @@ class TorchSide:
 # ----------------------------------------------------------------------------------------------
 
 
+class _Failure(str):
+  """An exception raised in a worker, sent back as its repr."""
+
+
+def _serve(conn, kind: str, ckpt: str, n: int, threads: int) -> None:
+  """A worker process holding one side; answers (op, name, args) messages until None."""
+  if kind == "torch":
+    torch.set_num_threads(threads)
+    side = TorchSide(ckpt)
+  else:
+    side = JaxSide(ckpt, n)
+  fns: list[Callable] = []
+  while (msg := conn.recv()) is not None:
+    op, name, args = msg
+    try:
+      if op == "build":
+        fns.append(getattr(side, name)(*args))
+        out = len(fns) - 1
+      elif op == "call":
+        out = fns[name]()
+      elif op == "time":
+        out = _timed(fns[name])  # timed inside the worker: no pipe in the figure
+      elif op == "get":
+        out = getattr(side, name)
+      else:
+        out = getattr(side, name)(*args)
+    except BaseException as e:  # reported to the parent, which stops
+      out = _Failure(f"{type(e).__name__}: {e}")
+    conn.send(out)
+
+
+class Remote:
+  """A TorchSide or JaxSide in its own process (spawned, so each has a fresh runtime).
+
+  Measured why: after one torch update step in the same process, the XLA update program ran
+  ~40% slower for good (19-21 s instead of 13.5-15 s, still after 10 s idle): the two runtimes
+  share the process's allocator and threads. Separate processes keep either from taxing the other.
+  """
+
+  def __init__(self, kind: str, ckpt: str, n: int = 0, threads: int = 1):
+    ctx = multiprocessing.get_context("spawn")
+    self.conn, child = ctx.Pipe()
+    self.proc = ctx.Process(target=_serve, args=(child, kind, ckpt, n, threads), daemon=True)
+    self.proc.start()
+    self.kind, self.n = kind, n
+
+  def _ask(self, op: str, name, *args):
+    self.conn.send((op, name, args))
+    out = self.conn.recv()
+    if isinstance(out, _Failure):
+      raise SystemExit(f"{self.kind} worker ({self.n} devices): {out}")
+    return out
+
+  def _build(self, name: str, *args) -> Callable:
+    i = self._ask("build", name, *args)
+    fn = lambda: self._ask("call", i)  # noqa: E731
+    fn.timed = lambda: self._ask("time", i)
+    return fn
+
+  def reference(self, d):
+    return self._build("reference", d)
+
+  def update(self, d):
+    return self._build("update", d)
+
+  def generate(self, prompts, new):
+    return self._build("generate", prompts, new)
+
+  def greedy_gap(self, prompts, generated) -> float:
+    return self._ask("method", "greedy_gap", prompts, generated)
+
+  def get(self, name: str):
+    return self._ask("get", name)
+
+  def close(self) -> None:
+    self.conn.send(None)
+    self.proc.join(timeout=60)
+
+
 def _checks(torch_side: TorchSide, jax_sides: list[JaxSide], d, prompts) -> list[str]:
   """Both sides compute the same thing (raises otherwise); returns what was checked."""
   out = []
@@ -356,9 +437,9 @@ def bench_size(size: str, args) -> None:
   with tempfile.TemporaryDirectory() as tmp:
     ckpt = args.checkpoint or tmp
     params = write_checkpoint(tmp, size) if not args.checkpoint else 0
-    torch_side = TorchSide(ckpt)
-    jax_sides = [JaxSide(ckpt, n) for n in args.devices]
-    vocab = torch_side.model.config.vocab_size
+    torch_side = Remote("torch", ckpt, threads=args.threads)
+    jax_sides = [Remote("jax", ckpt, n) for n in args.devices]
+    vocab = torch_side.get("vocab_size")
     d = _batch(vocab, REF_B, REF_T)
     prompts = np.random.default_rng(1).integers(0, vocab, size=(32, PROMPT)).astype(np.int32)
     print(f"\n## {size}: {params / 1e6:.2f}M parameters, float32\n")
@@ -399,7 +480,7 @@ def bench_size(size: str, args) -> None:
       for row, cols in variants.items():
         for col, (fn, _) in cols.items():
           time.sleep(args.pause)  # the previous call's worker threads wind down (see --pause)
-          results[row][col].times.append(_timed(fn))
+          results[row][col].times.append(fn.timed())
 
     cols = ["torch"] + [f"jax {n}" for n in args.devices]
     print(
@@ -417,9 +498,10 @@ def bench_size(size: str, args) -> None:
       print(f"| {row} | " + " | ".join(res[c].cell() for c in cols) + f" | {ratios} |")
     print("\ncompile seconds (earl_jax, not counted above):")
     for js in jax_sides:
-      print(
-        f"- {js.n} device(s): " + ", ".join(f"{k} {v:.1f}" for k, v in js.compile_seconds.items())
-      )
+      compiled = js.get("compile_seconds")
+      print(f"- {js.n} device(s): " + ", ".join(f"{k} {v:.1f}" for k, v in compiled.items()))
+    for side in [torch_side, *jax_sides]:
+      side.close()
 
 
 def main() -> None:
@@ -434,8 +516,8 @@ def main() -> None:
     "--pause",
     type=float,
     default=2.0,
-    help="seconds of idle before every timed call: torch's OpenMP threads keep spinning after a "
-    "call, and an XLA program started at once ran ~20%% slower (measured: 17.9 s vs 14.8 s)",
+    help="seconds of idle before every timed call: torch's OpenMP threads keep spinning for a "
+    "while after a call, taking the cores from the next process's measurement",
   )
   parser.add_argument("--checkpoint", default="", help="an existing HF Qwen2/Llama checkpoint")
   args = parser.parse_args()

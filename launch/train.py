@@ -4,8 +4,10 @@
   python launch/train.py --config=configs/<exp>.py --config.rl.loss.kl_beta=0.01 --workdir=/tmp/run
 
 Kept thin on purpose: everything it calls is importable from a notebook (``earl_jax.rl.loop``).
-On a CPU-only machine JAX gets 8 simulated devices (``--cpu_devices``), so the per-stage layouts
-are real meshes there too.
+On a CPU-only machine JAX gets one device by default: measured on 2 cores, the default run's step
+took 0.44 s on 1 device and 0.56 s on 8 simulated ones (data-parallel programs on 8 devices
+synchronise every decode step). ``--cpu_devices=8`` simulates 8, so the per-stage layouts are
+real meshes (the tests use 8).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def _cpu_devices(argv: list[str]) -> int:
       return int(arg.split("=", 1)[1])
     if arg == "--cpu_devices" and i + 1 < len(argv):
       return int(argv[i + 1])
-  return 8
+  return 1
 
 
 if __name__ == "__main__":
@@ -103,7 +105,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
   "workdir", "", "Checkpoints, metrics and profiles; default runs/<config file name>."
 )
-flags.DEFINE_integer("cpu_devices", 8, "Simulated devices when JAX runs on the CPU.")
+flags.DEFINE_integer(
+  "cpu_devices", 1, "Simulated devices when JAX runs on the CPU (1 is fastest; 8 to see meshes)."
+)
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
   "allow_config_change",
   False,
@@ -158,8 +162,12 @@ def main(argv: list[str]) -> None:
     if baselines:
       print(loop_stats.format_baselines(baselines))
     rows = trainer.run()
+  except config_lib.ConfigError as e:
+    hint = ""
+    if "_layout" in str(e) and jax.devices()[0].platform == "cpu":
+      hint = f" (on CPU, --cpu_devices=N simulates N devices; this run has {jax.device_count()})"
+    _fail(f"{e}{hint}")
   except (
-    config_lib.ConfigError,
     workdir_lib.WorkdirError,
     checkpoint.CheckpointError,
     loop.NonFiniteError,

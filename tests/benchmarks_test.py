@@ -56,3 +56,16 @@ def test_balance_benchmark_order_balances_tokens():
   order = balance.balanced_order(np.asarray(lengths), 8)
   per_shard = [sum(lengths[i] for i in order[s * 4 : (s + 1) * 4]) for s in range(8)]
   assert sorted(order.tolist()) == list(range(32)) and max(per_shard) == min(per_shard)
+
+
+@pytest.mark.slow
+def test_peers_benchmark_checks_parity_then_prints_the_table():
+  """The tiny size, every kind of work, 1 and 2 devices: the parity checks pass before timing."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "benchmarks/peers.py", "--sizes", "tiny", "--devices", "1,2"]
+  cmd += ["--new_tokens", "8", "--repeats", "1", "--pause", "0", "--threads", "1"]
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "update step 1, 2 device(s): loss" in out.stdout
+  for row in ("generate B32 +8", "reference B32 T288", "update B32 T288"):
+    assert f"| {row}" in out.stdout
