@@ -107,6 +107,10 @@ class ModelConfig:
     loops = ("auto", "scan", "unrolled")
     _require(self.decode_layers in loops, "decode_layers", self.decode_layers, " | ".join(loops))
 
+  def unrolled_decode(self, backend: str) -> bool:
+    """Whether the decode loop runs per-layer weight copies (``decode_layers``) on ``backend``."""
+    return self.decode_layers == "unrolled" or (self.decode_layers == "auto" and backend == "cpu")
+
   @property
   def padded_vocab_size(self) -> int:
     m = self.vocab_multiple

@@ -8,7 +8,8 @@ to the compiled figures within ``MEMORY_TOLERANCE``) and fast enough to plan a 7
 128-device pool without touching a device.
 
 Memory terms (per device, bytes), following what the programs keep alive at their peak:
-  weights     every parameter tensor / the product of the shards of its logical axes
+  weights     every parameter tensor / the product of the shards of its logical axes (rollout:
+              the blocks once more where the decode loop runs per-layer copies, CPU)
   optimizer   Adam's two moments, shaped and sharded like the parameters (update only)
   gradients   one gradient tree, plus the accumulator when there are several micro-batches
   kv_cache    rollout: [L, slots, S, K, Dh] keys + values, plus ``DeviceSpec.kv_cache_copies``
@@ -67,6 +68,7 @@ class DeviceSpec:
   allreduce_latency_s: float = 2e-6  # per ring hop; a tensor-size-t all-reduce pays (t-1) hops
   flops_efficiency: float = 0.5  # achieved / peak for large matmuls
   kv_cache_copies: int = 0  # extra cache buffers the decode loop holds (XLA:GPU updates in place)
+  platform: str = "gpu"  # jax backend name: decides what model.decode_layers="auto" runs
 
 
 CPU_SPEC = DeviceSpec(
@@ -75,6 +77,7 @@ CPU_SPEC = DeviceSpec(
   link_bytes_per_s=5e9,
   allreduce_latency_s=2e-5,
   kv_cache_copies=1,  # measured: XLA:CPU's temp holds one more cache
+  platform="cpu",
 )
 DEFAULT_SPEC = DeviceSpec()
 
@@ -118,10 +121,9 @@ class MemoryEstimate:
     return {**dataclasses.asdict(self), "total": self.total}
 
 
-def param_specs(cfg: ModelConfig) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
-  """(shape, logical axes) of every parameter of ``earl_jax.model.Decoder``."""
+def _layer_specs(cfg: ModelConfig) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+  """(shape, logical axes) of the parameters of one decoder block."""
   d, f, h, k, dh = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  vp = cfg.padded_vocab_size
   layer = [
     ((d,), (NORM,)),
     ((d, h, dh), (EMBED, HEADS, HEAD_DIM)),
@@ -135,16 +137,24 @@ def param_specs(cfg: ModelConfig) -> list[tuple[tuple[int, ...], tuple[str, ...]
   ]
   if cfg.qkv_bias:
     layer += [((h, dh), (HEADS, HEAD_DIM))] + [((k, dh), (KV_HEADS, HEAD_DIM))] * 2
-  specs = [((vp, d), (VOCAB, EMBED)), ((d,), (NORM,))] + layer * cfg.num_layers
+  return layer
+
+
+def param_specs(cfg: ModelConfig) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+  """(shape, logical axes) of every parameter of ``earl_jax.model.Decoder``."""
+  d, vp = cfg.embed_dim, cfg.padded_vocab_size
+  specs = [((vp, d), (VOCAB, EMBED)), ((d,), (NORM,))] + _layer_specs(cfg) * cfg.num_layers
   if not cfg.tie_embeddings:
     specs.append(((d, vp), (EMBED, VOCAB)))
   return specs
 
 
-def param_elements_per_device(cfg: ModelConfig, plan: StagePlan) -> int:
-  """Parameter elements one device holds under ``plan`` (shards of every tensor's axes)."""
+def param_elements_per_device(cfg: ModelConfig, plan: StagePlan, blocks_only: bool = False) -> int:
+  """Parameter elements one device holds under ``plan`` (shards of every tensor's axes); with
+  ``blocks_only`` those of the decoder blocks alone."""
+  specs = _layer_specs(cfg) * cfg.num_layers if blocks_only else param_specs(cfg)
   total = 0
-  for shape, names in param_specs(cfg):
+  for shape, names in specs:
     shards = math.prod(plan.shards_for(n) for n in names)
     total += math.prod(shape) // shards
   return total
@@ -182,7 +192,8 @@ def _attention_bytes(
   return fwd + 3 * scores + 3 * rows * queries * heads * dh * 4 + 2 * rows * keys * kv * dh * 4
 
 
-def _rollout(cfg: ModelConfig, plan: StagePlan, w: Workload, copies: int) -> MemoryEstimate:
+def _rollout(cfg: ModelConfig, plan: StagePlan, w: Workload, spec: DeviceSpec) -> MemoryEstimate:
+  copies = spec.kv_cache_copies
   cb = _dtype_bytes(cfg.compute_dtype.value)
   rows = max(1, w.load // plan.shards_for(BATCH))
   kv = cfg.num_kv_heads // plan.shards_for(KV_HEADS)
@@ -197,8 +208,11 @@ def _rollout(cfg: ModelConfig, plan: StagePlan, w: Workload, copies: int) -> Mem
   vocab = cfg.padded_vocab_size // plan.shards_for(VOCAB)
   logits = _LOGIT_COPIES * rows * vocab * 4
   io = rows * p * 9 + rows * w.new_tokens * 9 + rows * 16
+  weights = param_elements_per_device(cfg, plan)
+  if cfg.unrolled_decode(spec.platform):  # the decode loop's per-layer copy of the blocks
+    weights += param_elements_per_device(cfg, plan, blocks_only=True)
   return MemoryEstimate(
-    weights=param_elements_per_device(cfg, plan) * _dtype_bytes(cfg.param_dtype.value),
+    weights=weights * _dtype_bytes(cfg.param_dtype.value),
     optimizer=0,
     gradients=0,
     kv_cache=cache * (1 + copies),
@@ -256,8 +270,8 @@ def estimate_memory(
   """Predicted peak bytes per device of ``w.stage``'s program under ``plan`` on ``spec``."""
   if w.load < 1 or w.length < 1:
     raise ValueError(f"workload needs load >= 1 and length >= 1, got {w}")
-  copies = (spec or DEFAULT_SPEC).kv_cache_copies
-  return _rollout(cfg, plan, w, copies) if w.stage == Stage.ROLLOUT else _scored(cfg, plan, w)
+  spec = spec or DEFAULT_SPEC
+  return _rollout(cfg, plan, w, spec) if w.stage == Stage.ROLLOUT else _scored(cfg, plan, w)
 
 
 def _allreduce_seconds(spec: DeviceSpec, nbytes: float, t: int) -> float:

@@ -171,10 +171,7 @@ def _prefill(model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, ac
 def _decode_layers(model) -> list | None:
   """Per-layer weights for the decode loop, sliced here once (``ModelConfig.decode_layers``);
   None: the loop scans the stacked blocks."""
-  how = model.cfg.decode_layers
-  if how == "auto":
-    how = "unrolled" if jax.default_backend() == "cpu" else "scan"
-  return model.layer_states() if how == "unrolled" else None
+  return model.layer_states() if model.cfg.unrolled_decode(jax.default_backend()) else None
 
 
 def _decode_step(model, spec: GenerationSpec, stops_SxM: jax.Array, layers, c: _Decode) -> _Decode:
