@@ -149,10 +149,6 @@ class Decoder(nnx.Module):
     ``layers`` already split per layer. The KV cache rides in the carry and each layer writes its
     own slice in place."""
     graphdef, state = nnx.split(self.blocks)
-    if layers is not None:
-      for i, layer_state in enumerate(layers):
-        x_BxTxD, kv = nnx.merge(graphdef, layer_state)(x_BxTxD, rope, vis, kv, i)
-      return x_BxTxD, kv
 
     def body(carry, xs):
       x_BxTxD, kv = carry
@@ -161,13 +157,12 @@ class Decoder(nnx.Module):
 
     if remat != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-    if self.cfg.scan_layers:
-      (x_BxTxD, kv), _ = jax.lax.scan(body, (x_BxTxD, kv), (state, layers))
+    if layers is None and self.cfg.scan_layers:
+      indices = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+      (x_BxTxD, kv), _ = jax.lax.scan(body, (x_BxTxD, kv), (state, indices))
       return x_BxTxD, kv
-    for i in range(self.cfg.num_layers):
-      layer_state = jax.tree.map(lambda a, i=i: a[i], state)
-      (x_BxTxD, kv), _ = body((x_BxTxD, kv), (layer_state, layers[i]))
+    for i, layer_state in enumerate(self.layer_states() if layers is None else layers):
+      (x_BxTxD, kv), _ = body((x_BxTxD, kv), (layer_state, jnp.int32(i)))
     return x_BxTxD, kv
 
   def hidden(
