@@ -52,20 +52,24 @@ def attend(
 ) -> jax.Array:
   """Attention output [B, T, H, Dh] in the query dtype.
 
-  ``k``/``v`` are [B, S, K, Dh], or the stacked KV cache [L, B, S, K, Dh] together with ``layer``
+  ``k``/``v`` are [B, S, K, Dh], or the stacked KV cache [L, B, K, S, Dh] together with ``layer``
   (forward only; key blocks past the last visible slot are never visited).
   """
   impl = resolve(implementation, cached=layer is not None, seq_len=q_BxTxHxDh.shape[1])
   if impl == "naive":
     if layer is not None:
-      k, v = k[layer], v[layer]
+      k, v = jnp.swapaxes(k[layer], 1, 2), jnp.swapaxes(v[layer], 1, 2)
     return naive(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS)
   if impl == "cudnn":
     return _cudnn(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS)
   if impl == "splash":
     return _splash(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, block_size)
   if layer is not None:  # decode / prefill into the cache: forward only
-    return _flash_forward(q_BxTxHxDh, k[layer], v[layer], q_slots_BxT, k_valid_BxS, block_size)[0]
+    # The cache keeps heads before slots, so a key block is already [B, K, Bk, Dh], the layout
+    # the batched dots read: no transposed copy of the cache per layer and token.
+    return _flash_forward(
+      q_BxTxHxDh, k[layer], v[layer], q_slots_BxT, k_valid_BxS, block_size, kv_axes="bksd"
+    )[0]
   return chunked(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, block_size)
 
 
@@ -139,30 +143,32 @@ def _q_blocks(
   return q_NxBxQxKxGxDh, jnp.moveaxis(slots.reshape(b, nq, bq), 1, 0), bq
 
 
-def _key_block(k_BxSxKxDh, v_BxSxKxDh, k_valid_BxS, j: jax.Array, bk: int):
-  """Key block ``j``: (nominal start, read start, keys, values, validity) [B, Bk, ...].
+def _key_block(k, v, k_valid_BxS, j: jax.Array, bk: int, kv_axes: str = "bskd"):
+  """Key block ``j``: (nominal start, read start, keys, values, validity), keys and values in
+  ``kv_axes`` order ("bskd": [B, Bk, K, Dh]; "bksd", the KV cache's: [B, K, Bk, Dh]).
 
   The read start is clamped so the last block ends at S; its keys before the nominal start
   belong to the previous block and are masked in ``_block_scores``.
   """
-  b, s, k, dh = k_BxSxKxDh.shape
+  axis = kv_axes.index("s")
+  s = k.shape[axis]
   nominal = j * bk
   start = jnp.minimum(nominal, s - bk)
-  k_blk = jax.lax.dynamic_slice(k_BxSxKxDh, (0, start, 0, 0), (b, bk, k, dh))
-  v_blk = jax.lax.dynamic_slice(v_BxSxKxDh, (0, start, 0, 0), (b, bk, k, dh))
-  valid = jax.lax.dynamic_slice(k_valid_BxS, (0, start), (b, bk))
+  k_blk = jax.lax.dynamic_slice_in_dim(k, start, bk, axis=axis)
+  v_blk = jax.lax.dynamic_slice_in_dim(v, start, bk, axis=axis)
+  valid = jax.lax.dynamic_slice_in_dim(k_valid_BxS, start, bk, axis=1)
   return nominal, start, k_blk, v_blk, valid
 
 
 def _block_scores(
-  q_BxQxKxGxDh, k_BxKbxKxDh, slots_BxQ, valid_BxKb, start, nominal
+  q_BxQxKxGxDh, k_blk, slots_BxQ, valid_BxKb, start, nominal, kv_axes: str = "bskd"
 ) -> tuple[jax.Array, jax.Array]:
   """Scaled scores [B, K, G, Bq, Bk] (masked entries _MASKED) and the visibility [B, 1, 1, Bq, Bk].
 
   ``start`` is where the block was read, ``nominal`` where it should begin: keys before
   ``nominal`` belong to the previous block (the last block is clamped to end at S) and are masked.
   """
-  bk = k_BxKbxKxDh.shape[1]
+  bk = valid_BxKb.shape[1]
   dh = q_BxQxKxGxDh.shape[-1]
   key_slots_K = start + jnp.arange(bk, dtype=jnp.int32)
   allowed_BxQxK = (
@@ -171,7 +177,7 @@ def _block_scores(
     & (key_slots_K >= nominal)[None, None, :]
   )
   scores = jnp.einsum(
-    "bqkgd,bskd->bkgqs", q_BxQxKxGxDh, k_BxKbxKxDh, preferred_element_type=jnp.float32
+    f"bqkgd,{kv_axes}->bkgqs", q_BxQxKxGxDh, k_blk, preferred_element_type=jnp.float32
   ) * (1.0 / math.sqrt(dh))
   allowed = allowed_BxQxK[:, None, None]
   return jnp.where(allowed, scores, _MASKED), allowed
@@ -183,10 +189,13 @@ def _num_kv_blocks(slots_NxBxQ: jax.Array, bk: int, nk: int) -> jax.Array:
   return jnp.clip((hi_N + bk) // bk, 0, nk).astype(jnp.int32)
 
 
-def _flash_forward(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, block):
-  """Output [B, T, H, Dh] and the log-sum-exp [Nq, B, K, G, Bq] (0 where nothing is visible)."""
+def _flash_forward(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, block, kv_axes: str = "bskd"):
+  """Output [B, T, H, Dh] and the log-sum-exp [Nq, B, K, G, Bq] (0 where nothing is visible).
+
+  ``k``/``v`` are in ``kv_axes`` order: "bskd" [B, S, K, Dh], or the KV cache's "bksd".
+  """
   b, t, h, dh = q_BxTxHxDh.shape
-  s, num_kv = k_valid_BxS.shape[1], k.shape[-2]
+  s, num_kv = k_valid_BxS.shape[1], k.shape[kv_axes.index("k")]
   q_N, slots_N, bq = _q_blocks(q_BxTxHxDh, q_slots_BxT, num_kv, block)
   bk = min(block, s)
   nk = -(-s // bk)
@@ -199,13 +208,15 @@ def _flash_forward(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, block):
 
     def kv_step(j, carry):
       m, l, acc = carry
-      nominal, start, k_blk, v_blk, valid = _key_block(k, v, k_valid_BxS, j, bk)
-      scores, allowed = _block_scores(q_BxQxKxGxDh, k_blk, slots_BxQ, valid, start, nominal)
+      nominal, start, k_blk, v_blk, valid = _key_block(k, v, k_valid_BxS, j, bk, kv_axes)
+      scores, allowed = _block_scores(
+        q_BxQxKxGxDh, k_blk, slots_BxQ, valid, start, nominal, kv_axes
+      )
       m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
       p = jnp.exp(scores - m_new[..., None]) * allowed
       corr = jnp.exp(m - m_new)
       pv = jnp.einsum(
-        "bkgqs,bskd->bkgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
+        f"bkgqs,{kv_axes}->bkgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
       )
       return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 

@@ -47,7 +47,7 @@ class ShardingError(ValueError):
 
 _TENSOR_RULES: tuple[Rule, ...] = (
   (HEADS, (TENSOR,)),
-  (KV_HEADS, (TENSOR,)),  # also shards the KV cache [L, B, S, K, Dh] on its kv_heads axis
+  (KV_HEADS, (TENSOR,)),  # also shards the KV cache [L, B, K, S, Dh] on its kv_heads axis
   (MLP, (TENSOR,)),
   (VOCAB, (TENSOR,)),
 )

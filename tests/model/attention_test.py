@@ -63,8 +63,9 @@ def test_cache_slots_multi_turn_match_naive():
   t, s, layers = 5, 37, 3
   q, _, _ = _inputs(t, s, seed=3)
   rng = np.random.default_rng(4)
-  k_cache = jnp.asarray(rng.normal(size=(layers, _B, s, _K, _DH)), jnp.float32)
-  v_cache = jnp.asarray(rng.normal(size=(layers, _B, s, _K, _DH)), jnp.float32)
+  # The KV cache's layout: [L, B, K, S, Dh]
+  k_cache = jnp.asarray(rng.normal(size=(layers, _B, _K, s, _DH)), jnp.float32)
+  v_cache = jnp.asarray(rng.normal(size=(layers, _B, _K, s, _DH)), jnp.float32)
   end = np.array([9, 0, 30])  # filled slots per row before this chunk
   chunk_mask = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
   rank = np.cumsum(chunk_mask, axis=1) - 1
@@ -87,8 +88,13 @@ def test_cache_slots_multi_turn_match_naive():
         layer=l,
       )
     )(q, k_cache, v_cache, layer)
-    want = attention.naive(q, k_cache[1], v_cache[1], jnp.asarray(slots), jnp.asarray(valid))
+    k1, v1 = jnp.swapaxes(k_cache[1], 1, 2), jnp.swapaxes(v_cache[1], 1, 2)  # [B, S, K, Dh]
+    want = attention.naive(q, k1, v1, jnp.asarray(slots), jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+  naive_cached = attention.attend(
+    q, k_cache, v_cache, jnp.asarray(slots), jnp.asarray(valid), implementation="naive", layer=layer
+  )
+  np.testing.assert_allclose(np.asarray(naive_cached), np.asarray(want), atol=1e-6, rtol=0)
 
 
 def test_decode_skips_unfilled_cache_blocks():

@@ -128,9 +128,9 @@ def test_padded_full_forward_matches_unpadded(model, sequences):
 
 def test_init_cache_layout_and_overflow_is_dropped():
   cache = init_cache(_CFG, 2, 3, dtype="bfloat16")
-  assert cache.k.shape == cache.v.shape == (2, 2, 3, 2, 10) and cache.k.dtype == jnp.bfloat16
+  assert cache.k.shape == cache.v.shape == (2, 2, 2, 3, 10) and cache.k.dtype == jnp.bfloat16
   assert cache.valid_BxS.dtype == jnp.bool_ and cache.end_B.dtype == jnp.int32
-  assert CACHE_KV_AXES == (LAYERS, BATCH, CACHE_SEQ, KV_HEADS, HEAD_DIM)
+  assert CACHE_KV_AXES == (LAYERS, BATCH, KV_HEADS, CACHE_SEQ, HEAD_DIM)
   specs = cache_partition_specs()
   assert tuple(specs.k) == CACHE_KV_AXES and tuple(specs.valid_BxS) == (BATCH, CACHE_SEQ)
   assert jax.tree.structure(specs) == jax.tree.structure(cache)
