@@ -102,9 +102,8 @@ def test_sharded_cache_prefill_matches_unsharded(mesh, model):
   state_shardings = _shardings(nnx.get_partition_spec(state), state, mesh)
   cache = init_cache(_CFG, 4, 16)
   cache_shardings = _shardings(cache_partition_specs(), cache, mesh)
-  assert cache_shardings.k.spec == P(
-    None, ("data", "fsdp"), "tensor", None, None
-  )  # [L, B, K, S, Dh]
+  # [L, B, K, S, Dh]: batch on data x fsdp, kv heads on tensor
+  assert cache_shardings.k.spec == P(None, ("data", "fsdp"), "tensor", None, None)
   tokens = np.random.default_rng(2).integers(0, _CFG.vocab_size, (4, 6)).astype(np.int32)
   mask = np.array([[0, 0, 1, 1, 1, 1], [1] * 6, [1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1]], bool)
   pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
