@@ -1,30 +1,38 @@
 """Import of Hugging Face Llama / Qwen2 checkpoints (config.json + safetensors) into a Decoder.
 
-Data flow: ``launch``/``rl.loop`` call ``from_pretrained(cfg.pretrained_path)`` once at start-up to
-get the policy (and the reference copy); ``model_config_from_hf`` is reused by anything that only
-needs the architecture (memory models, the plan selector).
+Data flow: the stage resources (``rl.stages``) call ``read_config`` before any device work and
+``load_weights(dir, cfg, shardings)`` once at start-up, straight into the update layout;
+``from_pretrained`` is the one-call form for notebooks and benchmarks; ``model_config_from_hf`` is
+reused by anything that only needs the architecture (memory models, the plan selector).
 
 The module is created abstractly (``nnx.eval_shape``: no random init of billions of parameters)
-and each variable is filled straight from its checkpoint tensor, converted to our layout
-(q: [D, H, Dh], o: [H, Dh, D], MLP: [D, F] / [F, D], embeddings padded to ``padded_vocab_size``).
+and each parameter is filled straight from its checkpoint tensors (``hf_layout``: our layouts and
+their blocks). Given the parameters' shardings, every process reads for each of its devices only
+that device's block (safetensors slices) and hands it to ``jax.make_array_from_callback``: a 72B
+checkpoint never lands whole on one device or one host.
+
 Anything we do not implement (other architectures, sliding windows, unknown RoPE types, o/MLP
 biases) raises instead of loading into a model that would silently compute something else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Sharding, SingleDeviceSharding
 from safetensors import safe_open
 
+from earl_jax.model import hf_layout
 from earl_jax.model.config import ModelConfig, RopeConfig, RopeType
+from earl_jax.model.hf_layout import Entry
 from earl_jax.model.transformer import Decoder
 from earl_jax.types import ConfigError
 
@@ -177,59 +185,6 @@ def check_architecture(requested: ModelConfig, loaded: ModelConfig, where: str) 
 
 
 # ----------------------------------------------------------------------------------------------
-# Tensor mapping: our state path -> (HF name, expected HF shape, conversion)
-
-_Convert = Callable[[jax.Array], jax.Array]
-# (HF names: one, or one per layer for a stacked block parameter; HF shape of each; conversion)
-_Entry = tuple[tuple[str, ...], tuple[int, ...], _Convert]
-
-
-def _pad_rows(cfg: ModelConfig) -> _Convert:
-  return lambda w: jnp.pad(w, ((0, cfg.padded_vocab_size - cfg.vocab_size), (0, 0)))
-
-
-def _tensor_map(cfg: ModelConfig) -> dict[tuple[Any, ...], _Entry]:
-  """Our state path -> its checkpoint tensors. Block parameters are stacked on a leading layer
-  axis (``Decoder.blocks``), so each reads ``num_layers`` HF tensors, one per layer."""
-  d, f, h, k, dh = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  ident: _Convert = lambda w: w  # noqa: E731
-  out: dict[tuple[Any, ...], _Entry] = {
-    ("embed",): (("model.embed_tokens.weight",), (cfg.vocab_size, d), _pad_rows(cfg)),
-    ("final_norm", "scale"): (("model.norm.weight",), (d,), ident),
-  }
-  if not cfg.tie_embeddings:
-    pad = _pad_rows(cfg)
-    out[("lm_head",)] = (("lm_head.weight",), (cfg.vocab_size, d), lambda w: pad(w).T)
-
-  def layers(suffix: str) -> tuple[str, ...]:
-    return tuple(f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers))
-
-  out[("blocks", "attn_norm", "scale")] = (layers("input_layernorm.weight"), (d,), ident)
-  out[("blocks", "mlp_norm", "scale")] = (layers("post_attention_layernorm.weight"), (d,), ident)
-  for name, n in (("q", h), ("k", k), ("v", k)):
-    hf = f"self_attn.{name}_proj"
-    out[("blocks", "attn", name)] = (
-      layers(hf + ".weight"),
-      (n * dh, d),
-      lambda w, n=n: w.T.reshape(d, n, dh),
-    )
-    if cfg.qkv_bias:
-      out[("blocks", "attn", name + "_bias")] = (
-        layers(hf + ".bias"),
-        (n * dh,),
-        lambda w, n=n: w.reshape(n, dh),
-      )
-  out[("blocks", "attn", "o")] = (
-    layers("self_attn.o_proj.weight"),
-    (d, h * dh),
-    lambda w: w.T.reshape(h, dh, d),
-  )
-  for name, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-    out[("blocks", "mlp", name)] = (layers(f"mlp.{name}_proj.weight"), shape, lambda w: w.T)
-  return out
-
-
-# ----------------------------------------------------------------------------------------------
 # Files
 
 
@@ -261,21 +216,22 @@ def _weight_files(ckpt_dir: str) -> dict[str, str]:
       f"{ckpt_dir} has neither {_SINGLE_FILE} nor {_INDEX_FILE} (found "
       f"{sorted(os.listdir(ckpt_dir))}); only safetensors checkpoints are supported"
     )
-  with safe_open(single, framework="flax") as fp:
+  with safe_open(single, framework="numpy") as fp:
     return dict.fromkeys(fp.keys(), single)
 
 
-def _read_by_file(files: dict[str, str], names: list[str]) -> Iterator[tuple[str, jax.Array]]:
-  """Yields (name, tensor), opening each shard once and holding one raw tensor at a time, so peak
-  host memory is the converted model plus one tensor. framework='flax' keeps bf16 (numpy rejects
-  it with older safetensors, env_probe P10)."""
-  by_file: dict[str, list[str]] = {}
-  for name in names:
-    by_file.setdefault(files[name], []).append(name)
-  for file, file_names in by_file.items():
-    with safe_open(file, framework="flax") as fp:
-      for name in file_names:
-        yield name, fp.get_tensor(name)
+class _Tensors:
+  """Checkpoint tensors by name, as safetensors slices: each shard file opened once, nothing read
+  until a block is sliced. framework='numpy' keeps bf16 (as ml_dtypes.bfloat16)."""
+
+  def __init__(self, files: Mapping[str, str], stack: contextlib.ExitStack):
+    self._files, self._stack, self._open = files, stack, {}
+
+  def __getitem__(self, name: str) -> Any:
+    file = self._files[name]
+    if file not in self._open:
+      self._open[file] = self._stack.enter_context(safe_open(file, framework="numpy"))
+    return self._open[file].get_slice(name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,42 +253,73 @@ def _check_names(files: Mapping[str, str], needed: list[str], cfg: ModelConfig, 
     )
 
 
-def load_weights(ckpt_dir: str, cfg: ModelConfig) -> Decoder:
+def _check_shapes(tensors: _Tensors, mapping: Mapping[Any, Entry], where: str) -> None:
+  """Every checkpoint tensor's shape against config.json's, before anything is read."""
+  for entry in mapping.values():
+    for name in entry.names:
+      shape = tuple(tensors[name].get_shape())
+      if shape != entry.hf_shape:
+        raise CheckpointError(
+          f"tensor {name} in {where} has shape {shape}; config.json implies {entry.hf_shape}"
+        )
+
+
+def _load_one(
+  tensors: _Tensors, entry: Entry, shape: tuple[int, ...], sharding: Sharding, dtype: Any
+) -> jax.Array:
+  """One parameter as a global array: each addressable device gets its block, read from the
+  checkpoint for that block alone (a block several devices share is read once)."""
+  blocks: dict[hf_layout.Spans, np.ndarray] = {}
+
+  def block(index: tuple[slice, ...]) -> np.ndarray:
+    spans = hf_layout.spans_of(index, shape)
+    if spans not in blocks:
+      if entry.stacked:  # [L, ...]: one checkpoint tensor per layer of the block
+        (l0, l1), rest = spans[0], spans[1:]
+        value = np.stack([entry.read(tensors[entry.names[i]], rest) for i in range(l0, l1)])
+      else:
+        value = entry.read(tensors[entry.names[0]], spans)
+      blocks[spans] = value.astype(dtype)
+    return blocks[spans]
+
+  return jax.make_array_from_callback(shape, sharding, block, dtype=dtype)
+
+
+def load_weights(ckpt_dir: str, cfg: ModelConfig, shardings: nnx.State | None = None) -> Decoder:
   """A Decoder for ``cfg`` whose parameters are the checkpoint's tensors (no random init).
 
-  Tensors are upcast/downcast to ``cfg.param_dtype`` (a bf16 checkpoint becomes exact float32
-  master weights); per-layer tensors are stacked on the layer axis.
+  ``shardings`` (a tree like the Decoder's state, of ``jax.sharding.Sharding``; see
+  ``parallel.mesh.state_shardings``) lays each parameter out as it is read: every process reads,
+  for each of its devices, only that device's block of the checkpoint tensors (safetensors
+  slices), so no device and no host ever holds a whole model, and a block goes straight to its
+  device. Without ``shardings`` everything lands on the first local device. Tensors are
+  converted to ``cfg.param_dtype`` (a bf16 checkpoint becomes exact float32 master weights).
   """
   files = _weight_files(ckpt_dir)
-  mapping = _tensor_map(cfg)
-  _check_names(files, [n for names, _, _ in mapping.values() for n in names], cfg, ckpt_dir)
+  mapping = hf_layout.tensor_map(cfg)
+  _check_names(files, [n for entry in mapping.values() for n in entry.names], cfg, ckpt_dir)
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   flat = list(nnx.to_flat_state(state))
   unmapped = sorted(str(path) for path, _ in flat if path not in mapping)
   if unmapped:  # a Decoder parameter the mapping forgot: a bug here, not in the checkpoint
     raise AssertionError(f"hf_import has no checkpoint tensor for parameters {unmapped}")
-  where = {n: (path, i) for path, _ in flat for i, n in enumerate(mapping[path][0])}
-  parts: dict[tuple[Any, ...], list[jax.Array | None]] = {
-    path: [None] * len(mapping[path][0]) for path, _ in flat
-  }
-  for hf_name, w in _read_by_file(files, list(where)):
-    path, i = where[hf_name]
-    hf_shape, convert = mapping[path][1:]
-    if tuple(w.shape) != hf_shape:
-      raise CheckpointError(
-        f"tensor {hf_name} in {ckpt_dir} has shape {tuple(w.shape)}; config.json implies {hf_shape}"
-      )
-    parts[path][i] = convert(w.astype(cfg.param_dtype.jnp))
-  for path, var in flat:
-    names = mapping[path][0]
-    value = parts.pop(path)
-    value = jnp.stack(value) if path[0] == "blocks" else value[0]
-    if value.shape != var.get_value().shape:  # a bug in the mapping
-      want = var.get_value().shape
-      raise AssertionError(f"{names[0]} converts to {value.shape}, {path} is {want}")
-    var.set_value(value)
+  where = {}
+  if shardings is not None:
+    where = {path: _value(leaf) for path, leaf in nnx.to_flat_state(shardings)}
+  default = SingleDeviceSharding(jax.local_devices()[0])
+  dtype = np.dtype(cfg.param_dtype.jnp)
+  with contextlib.ExitStack() as stack:
+    tensors = _Tensors(files, stack)
+    _check_shapes(tensors, mapping, ckpt_dir)
+    for path, var in flat:
+      shape = tuple(var.get_value().shape)
+      var.set_value(_load_one(tensors, mapping[path], shape, where.get(path, default), dtype))
   return nnx.merge(graphdef, state)
+
+
+def _value(leaf: Any) -> Any:
+  return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
 def read_config(path: str, settings: ModelConfig | None = None) -> tuple[ModelConfig, str]:

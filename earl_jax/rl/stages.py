@@ -114,10 +114,10 @@ class StageResources:
     """The policy (train state, update layout) and the frozen reference (reference layout)."""
     cfg, plan = self.cfg, self.plans[Stage.UPDATE]
     if pretrained_dir is not None:
-      # Read on the host, then laid out on the update plan (direct sharded loading: follow-up).
-      pretrained = hf_import.load_weights(pretrained_dir, self.model_cfg)
-      graphdef, params = nnx.split(pretrained)
-      model = nnx.merge(graphdef, jax.device_put(params, mesh_lib.state_shardings(params, plan)))
+      # Each device reads only its block of the checkpoint, straight into the update layout.
+      abstract = nnx.eval_shape(lambda: model_lib.Decoder(self.model_cfg, rngs=nnx.Rngs(0)))
+      shardings = mesh_lib.state_shardings(nnx.state(abstract), plan)
+      model = hf_import.load_weights(str(pretrained_dir), self.model_cfg, shardings)
     else:
       init = lambda: model_lib.Decoder(self.model_cfg, rngs=nnx.Rngs(cfg.seed))  # noqa: E731
       model = mesh_lib.create_sharded(init, plan)
