@@ -98,6 +98,11 @@ def _flatten(tree: PyTree) -> tuple[dict[str, Any], Any]:
   return flat, treedef
 
 
+def flat_names(tree: PyTree) -> list[str]:
+  """The checkpoint key of each leaf of ``tree`` (dotted pytree paths), in leaf order."""
+  return list(_flatten(tree)[0])
+
+
 def _is_prng_key(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -351,6 +356,38 @@ class Checkpointer:
     with self._reading(step):
       restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       return self._valid_meta(step, restored["meta"])
+
+  def restore_arrays(self, step: int, wanted: Mapping[str, jax.ShapeDtypeStruct]) -> dict:
+    """Some arrays of ``step``'s state, by checkpoint key (``flat_names``), each onto the
+    sharding of its ``jax.ShapeDtypeStruct``; nothing else is read. For readers that hold one
+    parameter at a time (the HF export)."""
+    with self._reading(step):
+      on_disk, _ = _flatten(self._manager.item_metadata(step)["state"].tree)
+    problems = [
+      f"{k}: saved {on_disk[k].dtype}{list(on_disk[k].shape)}, asked {v.dtype}{list(v.shape)}"
+      for k, v in wanted.items()
+      if k in on_disk
+      and (tuple(v.shape), jnp.dtype(v.dtype))
+      != (
+        tuple(on_disk[k].shape),
+        jnp.dtype(on_disk[k].dtype),
+      )
+    ]
+    missing = sorted(set(wanted) - set(on_disk))
+    if missing or problems:
+      raise CheckpointMismatchError(
+        f"checkpoint step {step} in {self.directory}: "
+        + "; ".join(([f"not in the checkpoint: {missing}"] if missing else []) + problems)
+      )
+    item = dict(wanted)
+    args = ocp.args.PyTreeRestore(
+      item=item,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+      partial_restore=True,
+    )
+    with self._reading(step):
+      reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+      return dict(reader.restore(self.directory / str(step) / "state", args=args))
 
   def restore_newest_readable(
     self,

@@ -1,5 +1,7 @@
-"""earl_jax.model: the Llama/Qwen2-family policy decoder, its KV cache and HF checkpoint import."""
+"""earl_jax.model: the Llama/Qwen2-family policy decoder, its KV cache, HF checkpoint import and
+export, tokenizers."""
 
+from earl_jax.model.hf_export import save_pretrained
 from earl_jax.model.hf_import import (
   CheckpointError,
   from_pretrained,
@@ -44,4 +46,5 @@ __all__ = [
   "model_config_from_hf",
   "prefill",
   "read_config",
+  "save_pretrained",
 ]
