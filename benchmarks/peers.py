@@ -433,6 +433,40 @@ def _update_check(torch_run, jax_runs) -> list[str]:
   return out
 
 
+def _time_interleaved(variants, args) -> dict[str, dict[str, Result]]:
+  """One warm-up call of every variant, then ``args.repeats`` rounds taking turns."""
+  results = {
+    row: {col: Result(per_second=u) for col, (_, u) in cols.items()}
+    for row, cols in variants.items()
+  }
+  for cols in variants.values():  # warm-up (compiled already; first-call allocations)
+    for fn, _ in cols.values():
+      fn()
+  for _ in range(args.repeats):
+    for row, cols in variants.items():
+      for col, (fn, _) in cols.items():
+        time.sleep(args.pause)  # the previous call's worker threads wind down (see --pause)
+        results[row][col].times.append(fn.timed())
+  return results
+
+
+def _print_table(results: dict[str, dict[str, Result]], args) -> None:
+  cols = ["torch"] + [f"jax {n}" for n in args.devices]
+  print(
+    f"\nmedian (range) of {args.repeats} interleaved repetitions, {args.pause:g} s idle before "
+    f"each; torch {args.threads} threads, jax N = N simulated CPU devices (data-parallel); "
+    "ratio = jax / torch speed\n"
+  )
+  head = " | ".join(cols) + " | " + " | ".join(f"ratio jax {n}" for n in args.devices)
+  print(f"| work | {head} |")
+  print("|---" * (1 + len(cols) + len(args.devices)) + "|")
+  for row, res in results.items():
+    ratios = " | ".join(
+      f"{res[f'jax {n}'].rate() / res['torch'].rate():.2f}x" for n in args.devices
+    )
+    print(f"| {row} | " + " | ".join(res[c].cell() for c in cols) + f" | {ratios} |")
+
+
 def bench_size(size: str, args) -> None:
   with tempfile.TemporaryDirectory() as tmp:
     ckpt = args.checkpoint or tmp
@@ -469,33 +503,7 @@ def bench_size(size: str, args) -> None:
       for n, run in runs:
         variants[row][f"jax {n}"] = (run, 0)
 
-    results = {
-      row: {col: Result(per_second=u) for col, (_, u) in cols.items()}
-      for row, cols in variants.items()
-    }
-    for cols in variants.values():  # warm-up (compiled already; first-call allocations)
-      for fn, _ in cols.values():
-        fn()
-    for _ in range(args.repeats):
-      for row, cols in variants.items():
-        for col, (fn, _) in cols.items():
-          time.sleep(args.pause)  # the previous call's worker threads wind down (see --pause)
-          results[row][col].times.append(fn.timed())
-
-    cols = ["torch"] + [f"jax {n}" for n in args.devices]
-    print(
-      f"\nmedian (range) of {args.repeats} interleaved repetitions, {args.pause:g} s idle before "
-      f"each; torch {args.threads} threads, jax N = N simulated CPU devices (data-parallel); "
-      "ratio = jax / torch speed\n"
-    )
-    head = " | ".join(cols) + " | " + " | ".join(f"ratio jax {n}" for n in args.devices)
-    print(f"| work | {head} |")
-    print("|---" * (1 + len(cols) + len(args.devices)) + "|")
-    for row, res in results.items():
-      ratios = " | ".join(
-        f"{res[f'jax {n}'].rate() / res['torch'].rate():.2f}x" for n in args.devices
-      )
-      print(f"| {row} | " + " | ".join(res[c].cell() for c in cols) + f" | {ratios} |")
+    _print_table(_time_interleaved(variants, args), args)
     print("\ncompile seconds (earl_jax, not counted above):")
     for js in jax_sides:
       compiled = js.get("compile_seconds")

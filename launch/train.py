@@ -180,7 +180,12 @@ def main(argv: list[str]) -> None:
     sys.exit(130)
   if _MULTIHOST.value:
     distributed.shutdown()  # tells the peers this process ended on purpose
-  if trainer.start_step >= cfg.train.num_steps and not rows:
+  _say_done(cfg, workdir, rows, finished_before=trainer.start_step >= cfg.train.num_steps)
+
+
+def _say_done(cfg, workdir: str, rows: list[dict], finished_before: bool) -> None:
+  """The run's last lines: nothing to do (a finished run restarted), or the final evaluation."""
+  if finished_before and not rows:
     print(
       f"nothing to do: the run in {workdir} already reached train.num_steps={cfg.train.num_steps}"
       " (raise it to train on; --workdir=<new folder> starts afresh)"
