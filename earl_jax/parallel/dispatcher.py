@@ -79,11 +79,6 @@ def _identity(dst: Sharding) -> Any:
 
 
 @functools.lru_cache(maxsize=512)
-def _gather(dst: Sharding) -> Any:
-  return jax.jit(lambda a, p: jnp.take(a, p, axis=0), out_shardings=dst)
-
-
-@functools.lru_cache(maxsize=512)
 def _union_fn(out: Sharding, row: int, rows: int) -> Any:
   def place(y: jax.Array) -> jax.Array:
     return jnp.zeros((rows, *y.shape[1:]), y.dtype).at[row].set(y[0])
