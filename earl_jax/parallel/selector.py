@@ -12,6 +12,8 @@ listed for them), times micro-batch sizes (rollout/reference: the loop runs the 
 Feasibility: the analytic memory model (``memory_model``) against the per-device budget, then,
 before first use, the compiled program's ``memory_analysis`` (``compiled_memory`` callback), then
 at run time RESOURCE_EXHAUSTED (``run_with_recovery`` marks the plan infeasible and retries).
+When the model rules out every plan and compile checks are on, the plans it predicts smallest are
+compiled (up to ``MAX_PROBES``) and the compiled peak decides.
 Choice: measured throughput from the profiling table (EARL's method; kept as JSON in the workdir
 and reloaded on restart) where there is one, else the analytic cost model. Hysteresis: the current
 plan of a stage is kept while it is feasible and the best alternative is not more than
@@ -35,6 +37,10 @@ from earl_jax.parallel.plan import ShardingError, StagePlan, make_stage_plan, va
 from earl_jax.types import ConfigError, Stage
 
 log = logging.getLogger(__name__)
+
+
+# Plans compiled past the memory model's verdict, per (stage, bucket, load), before giving up.
+MAX_PROBES = 3
 
 
 class NoFeasiblePlanError(RuntimeError):
@@ -177,6 +183,7 @@ class Selector:
       log.info("selector: loaded %d profiled entries from %s", len(self.table), profile_path)
     self._infeasible: dict[tuple[Stage, int, StagePlan], tuple[int, str]] = {}
     self._compiled: dict[tuple[Stage, int, int, StagePlan], int] = {}
+    self._probes: dict[tuple[Stage, int, int], int] = {}  # compiles past the model, see _probe
     self._current: dict[Stage, StagePlan] = {}
 
   # -- candidates ---------------------------------------------------------------------------
@@ -277,6 +284,8 @@ class Selector:
     while True:
       will_compile = compiled_memory is not None
       feasible, rejected = self.ranked(stage, load=load, bucket=bucket, will_compile=will_compile)
+      if not feasible and will_compile and self._probe(stage, load, bucket, compiled_memory):
+        continue  # ranked() now knows that plan's compiled peak
       if not feasible:
         lines = "\n  ".join(f"{p}: {why}" for p, why in rejected)
         raise NoFeasiblePlanError(
@@ -310,6 +319,33 @@ class Selector:
     if self.metrics is not None:
       self.metrics.write_event(step, "selector_decision", decision.to_event())
     return decision
+
+  def _probe(
+    self, stage: Stage, load: int, bucket: int, compiled_memory: Callable[[StagePlan], Any]
+  ) -> bool:
+    """When the memory model rules out every plan, the compiler decides: the plan with the
+    smallest predicted peak that was not compiled yet is compiled and its peak recorded (ranked()
+    keeps it if it fits). At most MAX_PROBES per (stage, bucket, load); returns whether it probed.
+    The model over-predicts most where fixed overheads dominate (small models, tight budgets)."""
+    where = (stage, bucket, load)
+    if self._probes.get(where, 0) >= MAX_PROBES:
+      return False
+    unseen = [
+      p
+      for p in self.candidates(stage, load)[0]
+      if (*where, p) not in self._compiled and not self._infeasible_reason(stage, bucket, load, p)
+    ]
+    if not unseen:
+      return False
+    plan = min(unseen, key=lambda p: self.predict(stage, load, bucket, p)[0])
+    self._probes[where] = self._probes.get(where, 0) + 1
+    self._compiled[(*where, plan)] = peak = int(compiled_memory(plan).peak)
+    log.warning(
+      "selector: the memory model rules out every %s plan at load=%d bucket=%d; compiled %s "
+      "instead: peak %d B, budget %d B", stage.value, load, bucket, plan.describe(), peak,
+      self.budget,
+    )  # fmt: skip
+    return True
 
   def mark_infeasible(
     self, stage: Stage, bucket: int, plan: StagePlan, *, load: int = 0, reason: str = ""

@@ -219,3 +219,28 @@ def test_compiled_peak_overrides_a_pessimistic_prediction():
   small = type("M", (), {"peak": int(smallest * 0.5)})()
   d = tight.choose(Stage.REFERENCE, load=8, bucket=1024, compiled_memory=lambda p: small)
   assert d.predicted_bytes > tight.budget >= d.compiled_bytes
+
+
+def test_compiler_decides_when_the_model_rules_out_every_plan():
+  roomy = sel.Selector(TINY, fake(8), memory_budget_bytes=GIB)
+  plans, _ = roomy.candidates(Stage.REFERENCE, load=8)
+  predicted = {p: roomy.predict(Stage.REFERENCE, 8, 1024, p)[0] for p in plans}
+  leanest = min(predicted, key=predicted.get)
+  budget = int(predicted[leanest] / 3)  # beyond the model's over-prediction tolerance
+  assert predicted[leanest] > budget * sel.mm.MEMORY_TOLERANCE[1]
+  seen = []
+
+  def compiled(peak):
+    return lambda plan: seen.append(plan) or type("M", (), {"peak": peak})()
+
+  fits = sel.Selector(TINY, fake(8), memory_budget_bytes=budget)
+  d = fits.choose(Stage.REFERENCE, load=8, bucket=1024, compiled_memory=compiled(budget // 2))
+  assert seen == [leanest] and d.plan == leanest and d.compiled_bytes == budget // 2
+  # Compiled too large as well: a bounded number of probes, then the usual error.
+  seen.clear()
+  none = sel.Selector(TINY, fake(8), memory_budget_bytes=budget)
+  with pytest.raises(sel.NoFeasiblePlanError, match="compiled peak"):
+    none.choose(Stage.REFERENCE, load=8, bucket=1024, compiled_memory=compiled(2 * budget))
+  assert len(seen) == sel.MAX_PROBES and len(set(seen)) == sel.MAX_PROBES
+  ordered = sorted(predicted, key=predicted.get)[: sel.MAX_PROBES]
+  assert [predicted[p] for p in seen] == [predicted[p] for p in ordered]
