@@ -15,6 +15,7 @@ from earl_jax.model.kv_cache import (
   KVCache,
   cache_partition_specs,
   init_cache,
+  resize_cache,
 )
 from earl_jax.model.tokenizer import (
   CharTokenizer,
@@ -46,5 +47,6 @@ __all__ = [
   "model_config_from_hf",
   "prefill",
   "read_config",
+  "resize_cache",
   "save_pretrained",
 ]

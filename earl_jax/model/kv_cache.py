@@ -72,6 +72,26 @@ def init_cache(
   )
 
 
+def resize_cache(cache: KVCache, max_len: int) -> KVCache:
+  """The same cache with ``max_len`` slots per row: new slots are empty; a shorter cache drops
+  the last slots, which the caller guarantees are empty (every row's ``end_B`` <= max_len)."""
+  if max_len < 1:
+    raise ValueError(f"resize_cache needs max_len >= 1, got {max_len}")
+  extra = max_len - cache.max_len
+  if extra >= 0:
+    pad_kv = ((0, 0),) * 3 + ((0, extra), (0, 0))
+    return cache.replace(
+      k=jnp.pad(cache.k, pad_kv),
+      v=jnp.pad(cache.v, pad_kv),
+      valid_BxS=jnp.pad(cache.valid_BxS, ((0, 0), (0, extra))),
+    )
+  return cache.replace(
+    k=cache.k[:, :, :, :max_len],
+    v=cache.v[:, :, :, :max_len],
+    valid_BxS=cache.valid_BxS[:, :max_len],
+  )
+
+
 def write_slots(cache: KVCache, mask_BxT: jax.Array) -> jax.Array:
   """Slots [B, T] of a chunk's tokens: valid tokens in order from ``end_B``; padding gets slot S.
 

@@ -57,7 +57,8 @@ class RolloutConfig:
       raise ConfigError("max_new_tokens", self.max_new_tokens, f"< max_context={self.max_context}")
 
   def cache_len(self) -> int:
-    """Cache slots per row. Rows are compact (padding takes no slot), so the budget is enough."""
+    """The most cache slots a row can need. Rows are compact (padding takes no slot), so the
+    budget is enough; a resizable cache (``run_rollout(resize=)``) grows up to it on demand."""
     return self.max_context
 
 
@@ -131,19 +132,24 @@ def run_rollout(
   rng: jax.Array,
   *,
   pad_id: int,
+  resize: Callable[[Any, int], Any] | None = None,
 ) -> tuple[RolloutResult, Any]:
   """Plays every episode in ``episodes``, ``cfg.num_slots`` at a time; returns the packed batch.
 
   Args:
     generate: the jitted engine with parameters bound: ``(cache, prompt_BxP, mask_BxP,
       positions_BxP, active_B, rng) -> (GenerateOutput, cache)``.
-    cache: an empty KV cache with ``cfg.num_slots`` rows of at least ``cfg.cache_len()`` slots.
+    cache: an empty KV cache with ``cfg.num_slots`` rows: of ``cfg.cache_len()`` slots, or any
+      length when ``resize`` is given.
     envs: one environment instance per slot.
     fmt: the prompt format (chat template or the compact plain format).
     episodes: what to play; rows of the result follow this order.
     cfg: budgets.
     rng: PRNG key for sampling.
     pad_id: padding token id of the packed batch.
+    resize: ``(cache, slots needed) -> cache`` with at least that many slots per row (contents
+      kept). Given, the cache grows before a call whose rows need more slots than it has, up to
+      ``cfg.cache_len()``, so decode attends over what the episodes fill, not the whole budget.
 
   Returns:
     (RolloutResult, cache) — the cache is handed back so the next step can reuse its buffers.
@@ -151,7 +157,7 @@ def run_rollout(
   if len(envs) != cfg.num_slots:
     raise ValueError(f"need one env per slot: {len(envs)} envs for num_slots={cfg.num_slots}")
   start = time.perf_counter()
-  cache_len = cache.valid_BxS.shape[1]
+  cache_len = cfg.cache_len() if resize is not None else cache.valid_BxS.shape[1]
   queue = collections.deque(enumerate(episodes))
   slots: list[tuple[int, _Episode] | None] = [None] * cfg.num_slots
   done: dict[int, _Episode] = {}
@@ -162,6 +168,8 @@ def run_rollout(
       break
     if reset.any():
       cache = _reset_rows(cache, reset)  # a host value: fine for a multi-process cache too
+    if resize is not None:
+      cache = _grown(cache, slots, cfg, resize)
     prompt, mask, positions, active = _chunk_arrays(slots, cfg, pad_id)
     rng, key = jax.random.split(rng)
     out, cache = generate(cache, prompt, mask, positions, active, key)
@@ -174,6 +182,12 @@ def run_rollout(
     batch, [r.stats for r in records], time.perf_counter() - start, generated, calls
   )
   return result, cache
+
+
+def _grown(cache: Any, slots, cfg: RolloutConfig, resize: Callable[[Any, int], Any]) -> Any:
+  """``cache``, resized first if a busy row's context plus a full turn needs more slots."""
+  need = max(len(s[1].tokens) + len(s[1].pending) + cfg.max_new_tokens for s in slots if s)
+  return resize(cache, need) if need > cache.valid_BxS.shape[1] else cache
 
 
 def _fill_slots(slots, queue, envs, fmt, cfg, cache_len, done) -> np.ndarray:

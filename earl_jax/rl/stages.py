@@ -76,6 +76,11 @@ def _zeros(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Any:
   return jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
 
 
+@functools.lru_cache(maxsize=64)
+def _resizer(length: int, shardings: Any) -> Any:
+  return jax.jit(functools.partial(model_lib.resize_cache, max_len=length), out_shardings=shardings)
+
+
 def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
@@ -96,7 +101,8 @@ class StageResources:
     self.optimizer = update.make_optimizer(cfg.optim)
     self.cache = executables.ExecutableCache()
     self._init_weights(setup.pretrained_dir)
-    self.kv_cache = self._new_kv_cache()
+    self._cache_need = cfg.rollout.seq_multiple  # slots the last training rollout's rows needed
+    self.kv_cache = self._new_kv_cache(self._cache_need)
     self.selector = None
     if cfg.parallel.selector:
       budget = int(cfg.parallel.memory_budget_gib * 2**30) or None  # None: device.memory_stats()
@@ -132,11 +138,25 @@ class StageResources:
     ref_params, _ = dispatcher.sync_weights(params, self.plans[Stage.REFERENCE])
     self.ref_params = jax.tree.map(jnp.copy, ref_params)
 
-  def _new_kv_cache(self) -> model_lib.KVCache:
+  def _cache_length(self, needed: int) -> int:
+    """Cache slots per row for a context of ``needed`` tokens: its geometric length bucket (the
+    one the selector plans with), at most ``rollout.cache_len()``."""
     rc = self.cfg.rollout
-    init = lambda: model_lib.init_cache(self.model_cfg, rc.num_slots, rc.cache_len())  # noqa: E731
+    return min(selector_lib.bucket_for(max(needed, 1), rc.seq_multiple), rc.cache_len())
+
+  def _new_kv_cache(self, needed: int = 0) -> model_lib.KVCache:
+    rc, length = self.cfg.rollout, self._cache_length(needed)
+    init = lambda: model_lib.init_cache(self.model_cfg, rc.num_slots, length)  # noqa: E731
     shardings = executables.cache_shardings(self.plans[Stage.ROLLOUT], jax.eval_shape(init))
     return jax.jit(init, out_shardings=shardings)()
+
+  def _resize_kv_cache(self, cache: model_lib.KVCache, needed: int) -> model_lib.KVCache:
+    """``cache`` re-allocated to the bucket of ``needed`` slots, on device, contents kept."""
+    length = self._cache_length(needed)
+    if length == cache.max_len:
+      return cache
+    resized = jax.eval_shape(functools.partial(model_lib.resize_cache, max_len=length), cache)
+    return _resizer(length, executables.cache_shardings(self.plans[Stage.ROLLOUT], resized))(cache)
 
   # --- checkpointed state -------------------------------------------------------------------
 
@@ -156,12 +176,11 @@ class StageResources:
       pad_id=self.tokenizer.pad_id,
     )
 
-  def _rollout_program(self, plan: StagePlan, spec: engine.GenerationSpec, bucket):
-    cache_len = self.cfg.rollout.cache_len()
+  def _rollout_program(self, plan: StagePlan, spec: engine.GenerationSpec, bucket, cache_len: int):
     lower = lambda: executables.lower_generate(  # noqa: E731
       plan, self.graphdef, self.abstract_params, cache_len, spec, bucket
     )
-    return self.cache.get(Stage.ROLLOUT, plan, bucket, lower, extra=spec)
+    return self.cache.get(Stage.ROLLOUT, plan, (*bucket, cache_len), lower, extra=spec)
 
   def _score_program(self, plan: StagePlan, bucket: tuple[int, int]):
     lower = lambda: programs.lower_score(  # noqa: E731
@@ -197,11 +216,14 @@ class StageResources:
     )
     return self.cache.get(Stage.UPDATE, plan, abstract_batch.tokens_BxT.shape, lower)
 
-  def compiled(self, stage: Stage, plan: StagePlan, batch: batches.RolloutBatch | None):
-    """``stage``'s compiled program on ``plan`` (for memory checks; the stage methods run it)."""
+  def compiled(
+    self, stage: Stage, plan: StagePlan, batch: batches.RolloutBatch | None, length: int = 0
+  ):
+    """``stage``'s compiled program on ``plan`` (for memory checks; the stage methods run it);
+    the rollout's with a cache for a context of ``length`` tokens."""
     if stage is Stage.ROLLOUT:
       bucket = (self.cfg.rollout.num_slots, self.cfg.rollout.chunk_multiple)
-      return self._rollout_program(plan, self.spec(), bucket)
+      return self._rollout_program(plan, self.spec(), bucket, self._cache_length(length))
     if stage is Stage.REFERENCE:
       return self._score_program(plan, batch.tokens_BxT.shape)
     return self._update_program(plan, _abstract(jax.eval_shape(lambda: _advantage_shapes(batch))))
@@ -224,16 +246,23 @@ class StageResources:
   ) -> rollout.RolloutResult:
     """Plays ``episodes`` on ``envs`` with ``params`` (from ``rollout_weights``)."""
     generate = self._generate_fn(params, self.spec(evaluation=evaluation))
+    # The cache starts at the bucket the last training rollout filled and grows when episodes
+    # need more: decode attends over the context the episodes have, not the whole budget.
+    cache = self._resize_kv_cache(self.kv_cache, self._cache_need)
     result, self.kv_cache = rollout.run_rollout(
       generate,
-      self.kv_cache,
+      cache,
       envs,
       fmt,
       episodes,
       self.cfg.rollout,
       rng,
       pad_id=self.tokenizer.pad_id,
+      resize=self._resize_kv_cache,
     )
+    if not evaluation:
+      longest = max(s.context_len for s in result.episodes)
+      self._cache_need = longest + self.cfg.rollout.max_new_tokens
     return result
 
   def _generate_fn(self, params: nnx.State, spec: engine.GenerationSpec):
@@ -242,7 +271,7 @@ class StageResources:
     rep = executables.replicated(plan)
 
     def generate(kv_cache, prompt, mask, positions, active, rng):
-      program = self._rollout_program(plan, spec, prompt.shape)
+      program = self._rollout_program(plan, spec, prompt.shape, kv_cache.max_len)
       host = [put(x, s) for x, s in zip((prompt, mask, positions, active), (row2,) * 3 + (row1,))]
       out, kv_cache = program(params, kv_cache, *host, put(rng, rep))
       return fetch(out), kv_cache
@@ -297,7 +326,7 @@ class StageResources:
       stage,
       load=load,
       bucket=selector_lib.bucket_for(length, self.cfg.rollout.seq_multiple),
-      compiled_memory=lambda plan: self.compiled(stage, plan, batch).memory,
+      compiled_memory=lambda plan: self.compiled(stage, plan, batch, length).memory,
       step=step,
     )
     if decision.plan != self.plans[stage]:
@@ -306,8 +335,8 @@ class StageResources:
   def _relayout(self, stage: Stage, plan: StagePlan) -> None:
     """Adopts ``plan`` for ``stage``: its state moves there on device (no host round trip)."""
     self.plans = ParallelPlan.of({**dict(self.plans), stage: plan})
-    if stage is Stage.ROLLOUT:
-      self.kv_cache = self._new_kv_cache()  # every slot is reset at its first episode anyway
+    if stage is Stage.ROLLOUT:  # every slot is reset at its first episode anyway
+      self.kv_cache = self._new_kv_cache(self._cache_need)
     elif stage is Stage.REFERENCE:
       self.ref_params, _ = dispatcher.sync_weights(self.ref_params, plan)
     else:

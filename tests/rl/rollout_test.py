@@ -39,14 +39,17 @@ def _generate(model, spec, record):
   return generate
 
 
-def _play(model, cfg, episodes, game="tic_tac_toe", temperature=1.0, max_new=6):
+def _play(
+  model, cfg, episodes, game="tic_tac_toe", temperature=1.0, max_new=6, cache_len=0, resize=None
+):
   envs = [env_lib.make(game, parse_mode="lenient") for _ in range(cfg.num_slots)]
   fmt = turn_format.PlainFormat(TOK)
+  strategy = sampling.Temperature(temperature) if temperature else sampling.Greedy()
   spec = engine.GenerationSpec.with_stop_ids(
-    TOK.stop_ids, strategy=sampling.Temperature(temperature), max_new_tokens=max_new
+    TOK.stop_ids, strategy=strategy, max_new_tokens=max_new
   )
   record = []
-  cache = model_lib.init_cache(CFG, cfg.num_slots, cfg.cache_len())
+  cache = model_lib.init_cache(CFG, cfg.num_slots, cache_len or cfg.cache_len())
   result, _ = rollout.run_rollout(
     _generate(model, spec, record),
     cache,
@@ -56,8 +59,46 @@ def _play(model, cfg, episodes, game="tic_tac_toe", temperature=1.0, max_new=6):
     cfg,
     jax.random.key(0),
     pad_id=TOK.pad_id,
+    resize=resize,
   )
   return result, record
+
+
+def test_cache_grown_mid_run_gives_the_outputs_of_a_fixed_full_cache(model):
+  cfg = rollout.RolloutConfig(num_slots=3, max_turns=6, max_new_tokens=6, max_context=512)
+  episodes = [rollout.EpisodeSpec(seed=s, group_id=s) for s in range(5)]
+  fixed, _ = _play(model, cfg, episodes, game="connect_four", temperature=0)
+  sizes = []
+
+  def resize(cache, need):
+    sizes.append(max(64, 1 << (need - 1).bit_length()))  # geometric buckets, as the stages do
+    return model_lib.resize_cache(cache, sizes[-1])
+
+  grown, _ = _play(
+    model, cfg, episodes, game="connect_four", temperature=0, cache_len=64, resize=resize
+  )
+  assert len(sizes) >= 2 and sizes == sorted(sizes) and sizes[-1] < cfg.cache_len()
+  a, b = fixed.batch, grown.batch
+  np.testing.assert_array_equal(a.tokens_BxT, b.tokens_BxT)
+  np.testing.assert_array_equal(a.loss_mask_BxT, b.loss_mask_BxT)
+  np.testing.assert_allclose(a.sampler_logps_BxT, b.sampler_logps_BxT, atol=1e-5)
+  assert [e.outcome for e in fixed.episodes] == [e.outcome for e in grown.episodes]
+
+
+def test_resize_cache_keeps_rows_and_drops_only_empty_slots():
+  cache = model_lib.init_cache(CFG, 2, 8)
+  cache = cache.replace(
+    k=cache.k.at[:, :, :, :3].set(1.0),
+    valid_BxS=cache.valid_BxS.at[:, :3].set(True),
+    end_B=cache.end_B + 3,
+  )
+  big = model_lib.resize_cache(cache, 16)
+  assert big.k.shape[3] == 16 and big.valid_BxS.shape == (2, 16)
+  np.testing.assert_array_equal(big.k[:, :, :, :8], cache.k)
+  assert not big.valid_BxS[:, 8:].any() and not big.k[:, :, :, 8:].any()
+  small = model_lib.resize_cache(big, 4)
+  np.testing.assert_array_equal(small.k, cache.k[:, :, :, :4])
+  np.testing.assert_array_equal(small.end_B, [3, 3])
 
 
 def test_batch_is_exactly_the_sampled_tokens_interleaved_with_env_tokens(model):
