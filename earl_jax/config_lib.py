@@ -156,7 +156,9 @@ class StageLayout:
   data: int = -1  # data-parallel size; -1 = fill in from the device count
   fsdp: int = 1  # parameter-sharding size
   tensor: int = 1  # tensor-parallel size
-  micro_batch_size: int = 0  # update stage: sequences per micro-batch; 0 = the whole batch
+  # Sequences at once; 0 = all. Update: per gradient-accumulation micro-batch; reference: per
+  # scoring wave; rollout: episodes decoded concurrently (fewer KV-cache rows than num_slots).
+  micro_batch_size: int = 0
   remat: str = "none"  # update stage: none | full | dots
 
   def __post_init__(self):
@@ -272,6 +274,17 @@ class ExperimentConfig:
       micro,
       f"0 or a divisor of the mini-batch rl.num_groups * rl.group_size / rl.mini_batches = {mini}",
     )
+    for key, what, whole in (
+      ("rollout_layout", "rollout.num_slots", self.rollout.num_slots),
+      ("reference_layout", "the batch rl.num_groups * rl.group_size", self.rl.batch_size),
+    ):
+      micro = getattr(self.parallel, key).micro_batch_size
+      _require(
+        micro == 0 or whole % micro == 0,
+        f"parallel.{key}.micro_batch_size",
+        micro,
+        f"0 or a divisor of {what} = {whole}",
+      )
     _warn_pure_bf16(self.model, self.optim)
     if self.tokenizer.kind == TokenizerKind.HF and not self.tokenizer.path:
       # The tokenizer follows the checkpoint unless set on its own.

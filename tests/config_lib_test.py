@@ -71,6 +71,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
     ("model.rope.theta", 0.0, "positive"),
     ("tokenizer.kind", "sentencepiece", "one of ['char', 'hf']"),
     ("seed", -3, "non-negative"),
+    ("parallel.update_layout.micro_batch_size", 3, "divisor of the mini-batch"),
+    ("parallel.reference_layout.micro_batch_size", 3, "divisor of the batch"),
+    ("parallel.rollout_layout.micro_batch_size", 3, "divisor of rollout.num_slots"),
   ],
 )
 def test_bad_values_name_key_value_and_rule(path: str, value, fragment: str):

@@ -10,8 +10,10 @@ Candidates are every factorisation of the devices into data x fsdp x tensor that
 listed for them), times micro-batch sizes (rollout/reference: the loop runs the load in waves of
 ``micro_batch_size`` sequences; update: gradient accumulation) and, for the update, remat.
 Feasibility: the analytic memory model (``memory_model``) against the per-device budget, then,
-before first use, the compiled program's ``memory_analysis`` (``compiled_memory`` callback), then
-at run time RESOURCE_EXHAUSTED (``run_with_recovery`` marks the plan infeasible and retries).
+before first use of each program shape, the compiled program's ``memory_analysis``
+(``compiled_memory`` callback; a longer sequence in the same bucket is a new program and is checked
+again), then at run time RESOURCE_EXHAUSTED (the loop, or ``run_with_recovery``, marks the plan
+infeasible and re-plans).
 When the model rules out every plan and compile checks are on, the plans it predicts smallest are
 compiled (up to ``MAX_PROBES``) and the compiled peak decides.
 Choice: measured throughput from the profiling table (EARL's method; kept as JSON in the workdir
@@ -28,7 +30,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from earl_jax.model.config import ModelConfig
@@ -182,8 +184,12 @@ class Selector:
         self.table = json.load(f)
       log.info("selector: loaded %d profiled entries from %s", len(self.table), profile_path)
     self._infeasible: dict[tuple[Stage, int, StagePlan], tuple[int, str]] = {}
-    self._compiled: dict[tuple[Stage, int, int, StagePlan], int] = {}
-    self._probes: dict[tuple[Stage, int, int], int] = {}  # compiles past the model, see _probe
+    # Compiled peaks by (stage, bucket, load, plan, program shape): a longer T in a bucket is
+    # another program, with its own peak.
+    self._compiled: dict[tuple[Stage, int, int, StagePlan, Hashable], int] = {}
+    self._probes: dict[
+      tuple[Stage, int, int, Hashable], int
+    ] = {}  # compiles past the model, see _probe
     self._current: dict[Stage, StagePlan] = {}
 
   # -- candidates ---------------------------------------------------------------------------
@@ -233,13 +239,20 @@ class Selector:
   # -- choice -------------------------------------------------------------------------------
 
   def ranked(
-    self, stage: Stage, *, load: int, bucket: int, will_compile: bool = False
+    self,
+    stage: Stage,
+    *,
+    load: int,
+    bucket: int,
+    will_compile: bool = False,
+    shape: Hashable = None,
   ) -> tuple[list[Candidate], list[tuple[str, str]]]:
     """Feasible candidates best first (measured before predicted), and the rejected ones.
 
-    A compiled peak, once known, overrides the prediction. With ``will_compile`` (the caller
-    checks memory_analysis before first use) a plan is only dropped unseen when even the model's
-    largest over-prediction (``MEMORY_TOLERANCE``) cannot bring it under the budget.
+    A compiled peak, once known for the program ``shape``, overrides the prediction. With
+    ``will_compile`` (the caller checks memory_analysis before first use) a plan is only dropped
+    unseen when even the model's largest over-prediction (``MEMORY_TOLERANCE``) cannot bring it
+    under the budget.
     """
     plans, rejected = self.candidates(stage, load)
     slack = mm.MEMORY_TOLERANCE[1] if will_compile else 1.0
@@ -247,7 +260,7 @@ class Selector:
     for plan in plans:
       nbytes, predicted = self.predict(stage, load, bucket, plan)
       why = self._infeasible_reason(stage, bucket, load, plan)
-      compiled = self._compiled.get((stage, bucket, load, plan))
+      compiled = self._compiled.get((stage, bucket, load, plan, shape))
       if not why and compiled is not None and compiled > self.budget:
         why = f"compiled peak {compiled} B > budget {self.budget} B"
       if not why and compiled is None and nbytes > self.budget * slack:
@@ -274,17 +287,21 @@ class Selector:
     bucket: int,
     compiled_memory: Callable[[StagePlan], Any] | None = None,
     step: int = 0,
+    shape: Hashable = None,
   ) -> Decision:
     """The plan for ``stage`` at ``load`` sequences and length ``bucket``.
 
     ``compiled_memory(plan)`` (optional) returns the compiled program's MemoryStats (anything with
-    ``.peak``); it is called before a plan's first use in this bucket, and a plan whose compiled
-    peak exceeds the budget is marked infeasible and the next one is tried.
+    ``.peak``); it is called before a plan's first use for each program ``shape`` (what, besides
+    the plan, load and bucket, sets the compiled program: the exact sequence length, the cache
+    length), and a plan whose compiled peak exceeds the budget is rejected and the next one tried.
     """
     while True:
       will_compile = compiled_memory is not None
-      feasible, rejected = self.ranked(stage, load=load, bucket=bucket, will_compile=will_compile)
-      if not feasible and will_compile and self._probe(stage, load, bucket, compiled_memory):
+      feasible, rejected = self.ranked(
+        stage, load=load, bucket=bucket, will_compile=will_compile, shape=shape
+      )
+      if not feasible and will_compile and self._probe(stage, load, bucket, compiled_memory, shape):
         continue  # ranked() now knows that plan's compiled peak
       if not feasible:
         lines = "\n  ".join(f"{p}: {why}" for p, why in rejected)
@@ -299,7 +316,7 @@ class Selector:
       if close and kept is not best and best.source == kept.source:
         reason = f"hysteresis: best is within {self.hysteresis:.0%} of the current plan"
         best = kept
-      key = (stage, bucket, load, best.plan)
+      key = (stage, bucket, load, best.plan, shape)
       if compiled_memory is not None and key not in self._compiled:
         self._compiled[key] = int(compiled_memory(best.plan).peak)
         if self._compiled[key] > self.budget:
@@ -321,25 +338,32 @@ class Selector:
     return decision
 
   def _probe(
-    self, stage: Stage, load: int, bucket: int, compiled_memory: Callable[[StagePlan], Any]
+    self,
+    stage: Stage,
+    load: int,
+    bucket: int,
+    compiled_memory: Callable[[StagePlan], Any],
+    shape: Hashable = None,
   ) -> bool:
     """When the memory model rules out every plan, the compiler decides: the plan with the
     smallest predicted peak that was not compiled yet is compiled and its peak recorded (ranked()
-    keeps it if it fits). At most MAX_PROBES per (stage, bucket, load); returns whether it probed.
-    The model over-predicts most where fixed overheads dominate (small models, tight budgets)."""
+    keeps it if it fits). At most MAX_PROBES per (stage, bucket, load, program shape); returns
+    whether it probed. The model over-predicts most where fixed overheads dominate (small models,
+    tight budgets)."""
     where = (stage, bucket, load)
-    if self._probes.get(where, 0) >= MAX_PROBES:
+    if self._probes.get((*where, shape), 0) >= MAX_PROBES:
       return False
     unseen = [
       p
       for p in self.candidates(stage, load)[0]
-      if (*where, p) not in self._compiled and not self._infeasible_reason(stage, bucket, load, p)
+      if (*where, p, shape) not in self._compiled
+      and not self._infeasible_reason(stage, bucket, load, p)
     ]
     if not unseen:
       return False
     plan = min(unseen, key=lambda p: self.predict(stage, load, bucket, p)[0])
-    self._probes[where] = self._probes.get(where, 0) + 1
-    self._compiled[(*where, plan)] = peak = int(compiled_memory(plan).peak)
+    self._probes[(*where, shape)] = self._probes.get((*where, shape), 0) + 1
+    self._compiled[(*where, plan, shape)] = peak = int(compiled_memory(plan).peak)
     log.warning(
       "selector: the memory model rules out every %s plan at load=%d bucket=%d; compiled %s "
       "instead: peak %d B, budget %d B", stage.value, load, bucket, plan.describe(), peak,
@@ -425,6 +449,7 @@ class Selector:
     load: int,
     step: int = 0,
     compiled_memory: Callable[[StagePlan], Any] | None = None,
+    shape: Hashable = None,
   ) -> tuple[Any, Decision]:
     """Runs the stage with the chosen plan; on RESOURCE_EXHAUSTED marks it and retries the next.
 
@@ -432,7 +457,7 @@ class Selector:
     """
     while True:
       decision = self.choose(
-        stage, load=load, bucket=bucket, compiled_memory=compiled_memory, step=step
+        stage, load=load, bucket=bucket, compiled_memory=compiled_memory, step=step, shape=shape
       )
       try:
         return run_fn(decision.plan), decision

@@ -29,6 +29,7 @@ from earl_jax import config_lib, preemption
 from earl_jax import metrics as metrics_lib
 from earl_jax import model as model_lib
 from earl_jax import workdir as workdir_lib
+from earl_jax.parallel import selector as selector_lib
 from earl_jax.parallel.plan import ParallelPlan
 from earl_jax.rl import advantage, loop_stats, preflight, rollout, turn_format, update
 from earl_jax.rl import stages as stages_lib
@@ -164,33 +165,68 @@ class Trainer:
     later)."""
     cfg, stages = self.cfg, self.stages
     rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
+    slots = cfg.rollout.num_slots
+    # The update's load is one optimiser step's mini-batch: its plan's micro-batches split that.
+    loads = {
+      Stage.REFERENCE: cfg.rl.batch_size,
+      Stage.UPDATE: cfg.rl.batch_size // cfg.rl.mini_batches,
+    }
     if stages.selector is not None:
       with timer("select"):  # EARL: the rollout layout follows the current context range
-        stages.choose(Stage.ROLLOUT, cfg.rollout.num_slots, self._context_length, step)
-    with timer("sync"):
-      params, sync_stats = stages.rollout_weights()
-    with timer("rollout"):
-      result = stages.rollout(params, self.episodes(step), self.envs, self.fmt, rng)
+        stages.choose(Stage.ROLLOUT, slots, self._context_length, step)
+
+    def play():
+      with timer("sync"):
+        params, sync_stats = stages.rollout_weights()
+      with timer("rollout"):
+        return stages.rollout(params, self.episodes(step), self.envs, self.fmt, rng), sync_stats
+
+    result, sync_stats = self._retrying(Stage.ROLLOUT, slots, self._context_length, step, play)
     self._context_length = length = result.batch.tokens_BxT.shape[1]
     if stages.selector is not None:
       with timer("select"):
         for stage in (Stage.REFERENCE, Stage.UPDATE):
-          stages.choose(stage, cfg.rl.batch_size, length, step, result.batch)
-    with timer("reference"):
-      adv = self._advantages(stages.score(result.batch))
-    with timer("dispatch"):
-      adv, dispatch_stats = stages.to_update(adv)
-    with timer("update"):
-      # The update donates the train state: a checkpoint still reading it must finish first
-      # (its disk writes overlapped with this step's rollout).
-      self.checkpointer.wait()
-      update_metrics = stages.update(adv)
+          stages.choose(stage, loads[stage], length, step, result.batch)
+
+    def score():
+      with timer("reference"):
+        return self._advantages(stages.score(result.batch))
+
+    def learn():
+      with timer("dispatch"):
+        dispatched, stats = stages.to_update(adv)
+      with timer("update"):
+        # The update donates the train state: a checkpoint still reading it must finish first
+        # (its disk writes overlapped with this step's rollout).
+        self.checkpointer.wait()
+        return stages.update(dispatched), stats
+
+    retry = functools.partial(self._retrying, length=length, step=step, batch=result.batch)
+    adv = retry(Stage.REFERENCE, loads[Stage.REFERENCE], run=score)
+    update_metrics, dispatch_stats = retry(Stage.UPDATE, loads[Stage.UPDATE], run=learn)
     out = loop_stats.rollout_scalars(result, cfg.env.success)
     out.update(loop_stats.dispatch_scalars(dispatch_stats, "dispatch"))
     out.update(loop_stats.dispatch_scalars(sync_stats, "sync"))
     on_device = {f"update/{k}": v for k, v in update_metrics.items()}
     on_device["lr"] = update.learning_rate_schedule(cfg.optim)(step * cfg.rl.optimizer_steps)
     return out, on_device
+
+  def _retrying(self, stage: Stage, load: int, length: int, step: int, run, batch=None):
+    """``run()``: one stage's work on its current plan. When it runs out of device memory and a
+    selector is on, that plan is marked infeasible for this bucket and load, the selector picks
+    the next (its state moves there) and the work runs again: the step is not lost. Raises
+    NoFeasiblePlanError, with every rejection, when no plan is left."""
+    while True:
+      try:
+        return run()
+      except Exception as e:
+        if self.stages.selector is None or not selector_lib.is_resource_exhausted(e):
+          raise
+        logging.warning(
+          "step %d: %s ran out of device memory on %s; re-planning",
+          step, stage.value, self.plans[stage].describe(),
+        )  # fmt: skip
+        self.stages.replan_after_oom(stage, load, length, step, e, batch)
 
   def _eval_seeds(self) -> range:
     n = rollout.round_up(self.cfg.train.eval_episodes, self.cfg.rollout.num_slots)

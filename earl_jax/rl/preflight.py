@@ -50,7 +50,7 @@ def make_plans(
         remat=lay.remat,
       )
       batch = cfg.rollout.num_slots if stage is Stage.ROLLOUT else cfg.rl.batch_size
-      validate_for_model(plan, model_cfg, batch)
+      validate_for_model(plan, model_cfg, lay.micro_batch_size or batch)
     except ShardingError as e:  # fail closed, naming the layout key
       raise config_lib.ConfigError(
         f"{_layout_key(stage)} (data, fsdp, tensor)", (lay.data, lay.fsdp, lay.tensor), f"{e}"

@@ -28,12 +28,22 @@ def lower_score(
   chunk_size: int,
   temperature: float = 1.0,
 ) -> jax.stages.Lowered:
-  """The reference program (log-probs of given tokens) for ``bucket`` = (B, T)."""
+  """The reference program (log-probs of given tokens) for ``bucket`` = (B, T). A plan with a
+  micro-batch size runs the rows in waves of that many (a loop inside the program: only one
+  wave's activations are live), each wave strided over every data shard."""
+  b = bucket[0]
+  waves = b // plan.micro_batch_size if plan.micro_batch_size else 1
+  if waves * (plan.micro_batch_size or b) != b:
+    raise ValueError(f"batch {b} is not divisible by micro_batch_size={plan.micro_batch_size}")
 
   def score(model, tokens, positions, valid):
-    return reference.token_logps(
-      model, tokens, positions, valid, chunk_size=chunk_size, temperature=temperature
-    )[0]
+    def one(rows):
+      return reference.token_logps(model, *rows, chunk_size=chunk_size, temperature=temperature)[0]
+
+    rows = (tokens, positions, valid)
+    if waves == 1:
+      return one(rows)
+    return update.merge_rows(jax.lax.map(one, update.split_rows(rows, waves, "waves")))
 
   return executables.lower_score(plan, graphdef, abstract_state, bucket, score)
 

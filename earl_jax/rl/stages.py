@@ -20,6 +20,7 @@ loop needs each turn's tokens on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 from typing import Any
@@ -144,9 +145,14 @@ class StageResources:
     rc = self.cfg.rollout
     return min(selector_lib.bucket_for(max(needed, 1), rc.seq_multiple), rc.cache_len())
 
+  def _slots(self, plan: StagePlan) -> int:
+    """Episodes the rollout decodes at once on ``plan``: its micro-batch (the selector's waves:
+    fewer cache rows, refilled as episodes end) or every slot."""
+    return plan.micro_batch_size or self.cfg.rollout.num_slots
+
   def _new_kv_cache(self, needed: int = 0) -> model_lib.KVCache:
-    rc, length = self.cfg.rollout, self._cache_length(needed)
-    init = lambda: model_lib.init_cache(self.model_cfg, rc.num_slots, length)  # noqa: E731
+    length, rows = self._cache_length(needed), self._slots(self.plans[Stage.ROLLOUT])
+    init = lambda: model_lib.init_cache(self.model_cfg, rows, length)  # noqa: E731
     shardings = executables.cache_shardings(self.plans[Stage.ROLLOUT], jax.eval_shape(init))
     return jax.jit(init, out_shardings=shardings)()
 
@@ -222,7 +228,7 @@ class StageResources:
     """``stage``'s compiled program on ``plan`` (for memory checks; the stage methods run it);
     the rollout's with a cache for a context of ``length`` tokens."""
     if stage is Stage.ROLLOUT:
-      bucket = (self.cfg.rollout.num_slots, self.cfg.rollout.chunk_multiple)
+      bucket = (self._slots(plan), self.cfg.rollout.chunk_multiple)
       return self._rollout_program(plan, self.spec(), bucket, self._cache_length(length))
     if stage is Stage.REFERENCE:
       return self._score_program(plan, batch.tokens_BxT.shape)
@@ -246,16 +252,17 @@ class StageResources:
   ) -> rollout.RolloutResult:
     """Plays ``episodes`` on ``envs`` with ``params`` (from ``rollout_weights``)."""
     generate = self._generate_fn(params, self.spec(evaluation=evaluation))
+    slots = self._slots(self.plans[Stage.ROLLOUT])
     # The cache starts at the bucket the last training rollout filled and grows when episodes
     # need more: decode attends over the context the episodes have, not the whole budget.
     cache = self._resize_kv_cache(self.kv_cache, self._cache_need)
     result, self.kv_cache = rollout.run_rollout(
       generate,
       cache,
-      envs,
+      envs[:slots],
       fmt,
       episodes,
-      self.cfg.rollout,
+      dataclasses.replace(self.cfg.rollout, num_slots=slots),
       rng,
       pad_id=self.tokenizer.pad_id,
       resize=self._resize_kv_cache,
@@ -312,7 +319,18 @@ class StageResources:
     """One optimiser step (the train state is donated and replaced); returns its metrics on
     device, unfetched."""
     program = self._update_program(self.plans[Stage.UPDATE], _abstract(batch))
-    self.state, metrics = program(self.state, batch)
+    try:
+      self.state, metrics = program(self.state, batch)
+    except Exception as e:
+      # An allocation failure before launch leaves the donated state intact (the loop re-plans
+      # and retries); one after it has consumed the state cannot be retried in this process.
+      if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+        raise RuntimeError(
+          f"the update failed on {self.plans[Stage.UPDATE].describe()} after its train state was "
+          "donated, so it cannot be retried here; rerun the same command to resume from the last "
+          "checkpoint"
+        ) from e
+      raise
     return metrics
 
   # --- the parallelism selector -------------------------------------------------------------
@@ -328,9 +346,31 @@ class StageResources:
       bucket=selector_lib.bucket_for(length, self.cfg.rollout.seq_multiple),
       compiled_memory=lambda plan: self.compiled(stage, plan, batch, length).memory,
       step=step,
+      shape=self._program_shape(stage, batch, length),
     )
     if decision.plan != self.plans[stage]:
       self._relayout(stage, decision.plan)
+
+  def _program_shape(self, stage: Stage, batch, length: int) -> int:
+    """What sets ``stage``'s compiled program besides plan, load and bucket: the rollout's cache
+    length, the others' exact sequence length (one bucket holds several of each)."""
+    if stage is Stage.ROLLOUT:
+      return self._cache_length(length)
+    return batch.tokens_BxT.shape[1]
+
+  def replan_after_oom(
+    self, stage: Stage, load: int, length: int, step: int, error: BaseException, batch=None
+  ) -> None:
+    """``stage`` ran out of device memory on its plan: that plan is never chosen again for this
+    bucket at this load or more, and the selector picks the next one (NoFeasiblePlanError, with
+    every rejection, when none is left)."""
+    bucket = selector_lib.bucket_for(length, self.cfg.rollout.seq_multiple)
+    plan, cause = self.plans[stage], " ".join(str(error).split())[:300]
+    self.selector.mark_infeasible(stage, bucket, plan, load=load, reason=f"OOM at run: {cause}")
+    if self.selector.metrics is not None:
+      event = {"stage": stage.value, "bucket": bucket, "load": load, "plan": plan.describe()}
+      self.selector.metrics.write_event(step, "out_of_memory", {**event, "error": cause})
+    self.choose(stage, load, length, step, batch)
 
   def _relayout(self, stage: Stage, plan: StagePlan) -> None:
     """Adopts ``plan`` for ``stage``: its state moves there on device (no host round trip)."""

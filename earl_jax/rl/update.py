@@ -122,7 +122,7 @@ def skipped_updates(state: TrainState) -> jax.Array:
   return state.opt_state.total_notfinite
 
 
-def _split_rows(batch: Any, n: int, what: str) -> Any:
+def split_rows(batch: Any, n: int, what: str) -> Any:
   """[B, ...] leaves -> [n, B/n, ...], strided so every part spans every data shard."""
 
   def split(x: jax.Array) -> jax.Array:
@@ -132,6 +132,11 @@ def _split_rows(batch: Any, n: int, what: str) -> Any:
     return jnp.swapaxes(x.reshape(b // n, n, *x.shape[1:]), 0, 1)
 
   return jax.tree.map(split, batch)
+
+
+def merge_rows(parts: Any) -> Any:
+  """The inverse of ``split_rows``: [n, B/n, ...] leaves -> [B, ...] in the original row order."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), parts)
 
 
 def _combine(key: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -151,7 +156,7 @@ def _gradients(graphdef, params, batch, loss_fn, totals_fn, num_micro_batches):
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
   f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
-  micros = _split_rows(batch, num_micro_batches, "num_micro_batches")
+  micros = split_rows(batch, num_micro_batches, "num_micro_batches")
   (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micros))
   if num_micro_batches == 1:
     return loss, f32(grads), metrics
@@ -242,7 +247,7 @@ def update_step(
   def epoch(state: TrainState, key: jax.Array):
     order_B = jax.random.permutation(key, b)
     shuffled = jax.tree.map(lambda x: jnp.take(x, order_B, axis=0), batch)
-    minis = _split_rows(shuffled, num_mini_batches, "num_mini_batches")
+    minis = split_rows(shuffled, num_mini_batches, "num_mini_batches")
     return jax.lax.scan(step, state, minis)
 
   state, metrics = jax.lax.scan(epoch, state, keys)

@@ -90,6 +90,31 @@ def test_score_program_matches_unsharded_reference_and_cache_counts_compiles():
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+def test_score_program_in_waves_gives_the_same_logps_with_one_wave_of_activations_live():
+  """A reference plan with micro_batch_size runs the rows in waves inside the program: the
+  log-probs are those of the whole batch at once, and the compiled temporaries shrink."""
+  b, t = 16, 256
+  whole, waves = (
+    make_stage_plan(Stage.REFERENCE, range(8), 4, 1, 2, micro_batch_size=mb) for mb in (0, 4)
+  )
+  graphdef, state = nnx.split(_model(whole))
+  abstract = jax.eval_shape(lambda: state)
+  cache = ex.ExecutableCache()
+  programs_ = [
+    cache.get(
+      Stage.REFERENCE,
+      p,
+      (b, t),
+      lambda p=p: programs.lower_score(p, graphdef, abstract, bucket=(b, t), chunk_size=64),
+    )
+    for p in (whole, waves)
+  ]
+  rows = [jax.device_put(x, mesh_lib.batch_sharding(whole, 2)) for x in _batch(b, t, seed=2)]
+  want, got = (program(state, *rows) for program in programs_)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert programs_[1].memory.temp < 0.5 * programs_[0].memory.temp, [p.memory for p in programs_]
+
+
 def test_update_program_steps_and_donates_train_state():
   plan = make_stage_plan(Stage.UPDATE, range(8), 2, 2, 2, micro_batch_size=4, remat="full")
   graphdef, params = nnx.split(_model(plan), nnx.Param)

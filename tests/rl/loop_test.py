@@ -172,3 +172,67 @@ def test_ppo_epochs_and_mini_batches_in_the_loop(tmp_path):
   (row,) = trainer.run()
   assert int(trainer.state.step) == 4 and row["update/skipped_updates"] == 0
   assert row["update/ratio_max"] > 0 and row["update/loss"] == row["update/loss"]  # not NaN
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_a_stage_replans_and_the_step_is_not_lost(tmp_path, monkeypatch):
+  """An injected RESOURCE_EXHAUSTED in the reference and the update stage at step 0: each plan
+  is marked infeasible, the selector picks another, the step runs again and the run ends with
+  every optimiser step taken."""
+  import jax
+
+  c = tiny_config(num_steps=2, eval_every=0)
+  parallel = dataclasses.replace(c.parallel, selector=True, memory_budget_gib=1.0)
+  cfg = dataclasses.replace(c, parallel=parallel)
+  failed, stage_of = {}, {"score": stages.Stage.REFERENCE, "update": stages.Stage.UPDATE}
+
+  def fail_once(name, real):
+    def run(self, batch):
+      if name not in failed:
+        failed[name] = self.plans[stage_of[name]]
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected)")
+      return real(self, batch)
+
+    return run
+
+  for name in ("score", "update"):
+    monkeypatch.setattr(
+      stages.StageResources, name, fail_once(name, getattr(stages.StageResources, name))
+    )
+  trainer = loop.Trainer(cfg, tmp_path)
+  rows = trainer.run()
+  assert [r["step"] for r in rows] == [0, 1]
+  assert int(trainer.state.step) == 2 * cfg.rl.optimizer_steps
+  ooms = metrics_lib.read_events(tmp_path, kind="out_of_memory")
+  assert sorted(e["stage"] for e in ooms) == ["reference", "update"]
+  assert all(e["step"] == 0 and "injected" in e["error"] for e in ooms)
+  # The plan that failed is never chosen again for that stage.
+  for name, plan in failed.items():
+    stage = stage_of[name].value
+    later = [
+      e for e in metrics_lib.read_events(tmp_path, kind="selector_decision") if e["stage"] == stage
+    ]
+    assert later[-1]["plan"] != plan.describe()
+    assert trainer.plans[stage_of[name]] != plan
+
+
+@pytest.mark.slow
+def test_a_rollout_plan_with_waves_decodes_fewer_slots_and_plays_every_episode(
+  tmp_path, monkeypatch
+):
+  c = tiny_config(num_steps=1, eval_every=0)
+  layout = dataclasses.replace(c.parallel.rollout_layout, data=4, tensor=2, micro_batch_size=4)
+  cfg = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, rollout_layout=layout))
+  played, real = [], stages.StageResources.rollout
+  monkeypatch.setattr(
+    stages.StageResources,
+    "rollout",
+    lambda s, *a, **k: played.append(real(s, *a, **k)) or played[-1],
+  )
+  trainer = loop.Trainer(cfg, tmp_path)
+  (row,) = trainer.run()
+  assert cfg.rollout.num_slots == 8 and trainer.stages.kv_cache.k.shape[1] == 4
+  (result,) = played
+  assert len(result.episodes) == result.batch.tokens_BxT.shape[0] == cfg.rl.batch_size
+  assert sorted(e.seed for e in result.episodes) == sorted(e.seed for e in trainer.episodes(0))
+  assert row["update/loss"] == row["update/loss"]
