@@ -10,9 +10,13 @@ This is the only library module that imports ml_collections.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
+import os
+import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import ml_collections
@@ -334,6 +338,52 @@ def build(cls: type[T], values: Mapping[str, Any] | ml_collections.ConfigDict, p
   if isinstance(values, ml_collections.ConfigDict):
     values = values.to_dict()
   return config_build.build(cls, values, path)
+
+
+def load_config_file(path: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
+  """The validated config of a ``configs/*.py`` file (its ``get_config()``) with ``overrides``
+  (``"rl.num_groups=4"``: Python literals, or the text as a string) applied. A missing or broken
+  file, or an unknown key, is a ConfigError naming it. For tools; ``launch/train.py`` parses the
+  same syntax with ml_collections' config flags."""
+  if not os.path.isfile(path):
+    raise ConfigError("config", path, "a path to a config file (configs/<name>.py)")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # so `from configs import base`
+  sys.path.insert(0, root)
+  try:
+    spec = importlib.util.spec_from_file_location("_earl_config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+  except Exception as e:  # a broken file: name it and its first problem
+    raise ConfigError("config", path, f"a config file whose get_config() works ({e!r})") from None
+  finally:
+    sys.path.remove(root)
+  values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  for item in overrides:
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise ConfigError(key, None, "an override written key=value")
+    *parents, leaf = key.split(".")
+    node = values
+    for i, part in enumerate([*parents, leaf]):
+      if not isinstance(node, dict) or part not in node:
+        known = sorted(node) if isinstance(node, dict) else []
+        where = ".".join(parents[:i]) or "<root>"
+        raise ConfigError(key, text, f"a known key; the keys under {where}: {known}")
+      if i < len(parents):
+        node = node[part]
+    node[leaf] = _literal(text)
+  return from_config_dict(values)
+
+
+def _literal(text: str) -> Any:
+  lowered = text.strip().lower()
+  if lowered in ("true", "false"):
+    return lowered == "true"
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
 
 
 # Keys a resumed run may change without changing the experiment: its length, cadences, where files

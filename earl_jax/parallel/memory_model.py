@@ -56,6 +56,7 @@ MEMORY_TOLERANCE = (0.9, 1.75)
 _SCORE_COPIES = 3  # scores, masked scores, softmax probabilities (f32), see module docstring
 _BACKWARD_SCORE_COPIES = 7  # live score-sized buffers in one layer's attention backward
 _LOGIT_COPIES = 3  # logits, log-softmax, exp(log-softmax)
+_REFERENCE_LOGIT_COPIES = 2  # forward only: the log-softmax fuses with the logits (measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,13 +213,41 @@ def _rollout(cfg: ModelConfig, plan: StagePlan, w: Workload, spec: DeviceSpec) -
   if cfg.unrolled_decode(spec.platform):  # the decode loop's per-layer copy of the blocks
     weights += param_elements_per_device(cfg, plan, blocks_only=True)
   return MemoryEstimate(
-    weights=weights * _dtype_bytes(cfg.param_dtype.value),
+    weights=weights * _dtype_bytes(cfg.param_dtype.value) + _head_cast_bytes(cfg, plan),
     optimizer=0,
     gradients=0,
     kv_cache=cache * (1 + copies),
     activations=act,
     logits=logits,
     io=io,
+  )
+
+
+def _head_cast_bytes(cfg: ModelConfig, plan: StagePlan) -> int:
+  """The compute-dtype copy of the output projection that decoding reads every step, when the
+  weights are stored in another dtype (float32 master weights, bf16 compute): hoisted out of the
+  decode loop, it lives through it."""
+  if cfg.param_dtype == cfg.compute_dtype:
+    return 0
+  cb = _dtype_bytes(cfg.compute_dtype.value)
+  return cfg.padded_vocab_size * cfg.embed_dim * cb // plan.shards_for(VOCAB)
+
+
+def _saved_bytes_per_token(cfg: ModelConfig, plan: StagePlan) -> int:
+  """Bytes per token of one decoder layer's forward values that its backward pass reads.
+
+  Fitted to XLA's compiled peaks for Qwen2.5-0.5B and 7B (bf16 compute, float32 weights, 1-2K
+  tokens, tensor 1-4): ~12 float32 vectors of the residual stream (norm statistics and inputs),
+  ~(8 cb + 40) bytes per query/output head element (projections, rotary embedding in float32,
+  attention output and its statistics) and ~(3 cb + 8) per MLP element (gate, up, activation in
+  float32, product).
+  """
+  cb = _dtype_bytes(cfg.compute_dtype.value)
+  heads = cfg.num_heads * cfg.head_dim // plan.shards_for(HEADS)
+  return (
+    48 * cfg.embed_dim
+    + (8 * cb + 40) * heads
+    + (3 * cb + 8) * (cfg.mlp_dim // plan.shards_for(MLP))
   )
 
 
@@ -243,15 +272,21 @@ def _scored(cfg: ModelConfig, plan: StagePlan, w: Workload) -> MemoryEstimate:
   io = full_rows * t * 13
   weights = param_elements_per_device(cfg, plan) * pb
   if w.stage == Stage.REFERENCE:
-    return MemoryEstimate(weights, 0, 0, 0, attn + layer_act, logits, io)
+    # The layers and the logits chunks are live at different times: the peak is the larger
+    # phase (the final hidden states stay live through the logits).
+    logits = _REFERENCE_LOGIT_COPIES * rows * min(w.logits_chunk, t) * vocab * 4
+    hidden = rows * t * d * 4
+    return MemoryEstimate(weights, 0, 0, 0, max(attn + layer_act - logits, hidden), logits, io)
   # Backward: the peak is inside one layer's attention backward (naive: ~7 score-sized f32
   # buffers, measured on XLA:CPU, with or without remat). Without remat every layer also keeps
-  # its residuals; with remat only its input.
+  # what its backward reads; with remat only its input, and the layer being differentiated
+  # recomputes its own.
   attn = _attention_bytes(cfg, rows, t, t, tp, backward=True)
+  saved = rows * t * _saved_bytes_per_token(cfg, plan)
   if plan.remat == "none":
-    saved = cfg.num_layers * layer_act
+    saved = cfg.num_layers * saved
   else:
-    saved = cfg.num_layers * rows * t * d * cb + layer_act
+    saved = cfg.num_layers * rows * t * d * cb + saved
   micro = plan.micro_batch_size and plan.micro_batch_size < w.load
   return MemoryEstimate(
     weights=weights,

@@ -232,6 +232,15 @@ class Selector:
   def _key(stage: Stage, bucket: int, load: int, plan: StagePlan) -> str:
     return f"{stage.value}|{bucket}|{load}|{plan.describe()}"
 
+  def _state_too_big(self, stage: Stage, load: int, bucket: int, plan: StagePlan) -> str:
+    """Why ``plan`` cannot fit whatever the compiler does: its parameters (and optimiser state)
+    alone, sizes the model knows exactly, exceed the budget; else ""."""
+    m = mm.estimate_memory(self.cfg, plan, self._workload(stage, load, bucket, plan), self.spec)
+    state = m.weights + m.optimizer
+    if state <= self.budget:
+      return ""
+    return f"parameters and optimiser state {state} B > budget {self.budget} B"
+
   def _infeasible_reason(self, stage: Stage, bucket: int, load: int, plan: StagePlan) -> str:
     hit = self._infeasible.get((stage, bucket, plan))
     return hit[1] if hit is not None and load >= hit[0] else ""
@@ -259,7 +268,9 @@ class Selector:
     feasible = []
     for plan in plans:
       nbytes, predicted = self.predict(stage, load, bucket, plan)
-      why = self._infeasible_reason(stage, bucket, load, plan)
+      why = self._infeasible_reason(stage, bucket, load, plan) or self._state_too_big(
+        stage, load, bucket, plan
+      )
       compiled = self._compiled.get((stage, bucket, load, plan, shape))
       if not why and compiled is not None and compiled > self.budget:
         why = f"compiled peak {compiled} B > budget {self.budget} B"
@@ -358,6 +369,7 @@ class Selector:
       for p in self.candidates(stage, load)[0]
       if (*where, p, shape) not in self._compiled
       and not self._infeasible_reason(stage, bucket, load, p)
+      and not self._state_too_big(stage, load, bucket, p)
     ]
     if not unseen:
       return False

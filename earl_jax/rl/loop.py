@@ -389,7 +389,7 @@ class Trainer:
     scalars.update(timer.summary(reset=True))
     scalars["time/step"] = time.perf_counter() - start
     scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]
-    cache = self.stages.cache
+    cache = self.stages.programs.cache
     scalars["compilations"] = cache.compilations
     for stage, total in cache.compile_seconds.items():  # seconds this step spent compiling
       if total > self._compiled_seconds.get(stage, 0.0):

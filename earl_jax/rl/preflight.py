@@ -50,11 +50,18 @@ def make_plans(
         remat=lay.remat,
       )
       batch = cfg.rollout.num_slots if stage is Stage.ROLLOUT else cfg.rl.batch_size
-      validate_for_model(plan, model_cfg, lay.micro_batch_size or batch)
+      validate_for_model(plan, model_cfg, batch)
     except ShardingError as e:  # fail closed, naming the layout key
       raise config_lib.ConfigError(
         f"{_layout_key(stage)} (data, fsdp, tensor)", (lay.data, lay.fsdp, lay.tensor), f"{e}"
       ) from None
+    micro, shards = lay.micro_batch_size, plan.shards_for(BATCH)
+    if micro and micro % shards:  # each wave / micro-batch is split over the batch shards
+      raise config_lib.ConfigError(
+        f"{_layout_key(stage)}.micro_batch_size",
+        micro,
+        f"0 or a multiple of the {stage.value} layout's {shards} batch shards",
+      )
     plans[stage] = plan
   return ParallelPlan.of(plans)
 

@@ -11,12 +11,16 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from earl_jax import config_lib
 from earl_jax.parallel import executables
 from earl_jax.parallel.plan import StagePlan
-from earl_jax.rl import reference, update
+from earl_jax.rl import batches, objective, reference, update
+from earl_jax.sampler import engine
+from earl_jax.types import Stage
 
 
 def lower_score(
@@ -83,3 +87,84 @@ def lower_update(
     num_epochs=num_epochs,
   )
   return executables.lower_train_step(plan, abstract_train_state, abstract_batch, step, optimizer)
+
+
+def abstract_update_batch(b: int, t: int) -> batches.AdvantageBatch:
+  """The update stage's input for ``b`` sequences of ``t`` tokens, as shapes and dtypes."""
+
+  def make():
+    f, i, m = (jnp.zeros((b, t), d) for d in (jnp.float32, jnp.int32, jnp.bool_))
+    rb = batches.RolloutBatch.create(
+      tokens_BxT=i,
+      positions_BxT=i,
+      valid_BxT=m,
+      loss_mask_BxT=m,
+      sampler_logps_BxT=f,
+      rewards_B=jnp.zeros((b,), jnp.float32),
+      group_ids_B=jnp.zeros((b,), jnp.int32),
+    )
+    scored = batches.ScoredBatch.from_rollout(rb, ref_logps_BxT=f, old_logps_BxT=f)
+    return batches.AdvantageBatch.from_scored(scored, advantages_BxT=f, returns_BxT=f)
+
+  return jax.eval_shape(make)
+
+
+class StagePrograms:
+  """One run's three stage programs, lowered from abstract shapes (nothing is allocated) and
+  compiled once per (stage, plan, program shape) into ``cache``. ``rl/stages.py`` runs them; the
+  pod fit check (``earl_jax/fit.py``) compiles them for devices it does not have."""
+
+  def __init__(
+    self,
+    cfg: config_lib.ExperimentConfig,
+    graphdef: nnx.GraphDef,
+    abstract_params: nnx.State,
+    abstract_state: update.TrainState,
+    optimizer: optax.GradientTransformation,
+  ) -> None:
+    self.cfg, self.graphdef, self.optimizer = cfg, graphdef, optimizer
+    self.abstract_params, self.abstract_state = abstract_params, abstract_state
+    self.cache = executables.ExecutableCache()
+
+  def rollout(self, plan: StagePlan, spec: engine.GenerationSpec, bucket, cache_len: int):
+    """The decode program for ``bucket`` = (slots, prompt chunk) with a ``cache_len`` cache."""
+    lower = lambda: executables.lower_generate(  # noqa: E731
+      plan, self.graphdef, self.abstract_params, cache_len, spec, bucket
+    )
+    return self.cache.get(Stage.ROLLOUT, plan, (*bucket, cache_len), lower, extra=spec)
+
+  def score(self, plan: StagePlan, bucket: tuple[int, int]):
+    """The reference program for ``bucket`` = (B, T)."""
+    lower = lambda: lower_score(  # noqa: E731
+      plan,
+      self.graphdef,
+      self.abstract_params,
+      bucket,
+      chunk_size=self.cfg.rl.logp_chunk,
+      temperature=self.cfg.sampler.temperature,
+    )
+    return self.cache.get(Stage.REFERENCE, plan, bucket, lower)
+
+  def update(self, plan: StagePlan, abstract_batch: batches.AdvantageBatch):
+    """The update program (every optimiser step of one rollout batch) for ``abstract_batch``."""
+    rl = self.cfg.rl
+    loss_fn = objective.Objective(
+      rl.loss,
+      chunk_size=rl.logp_chunk,
+      temperature=self.cfg.sampler.temperature,
+      remat=plan.remat,
+      old_from_new=rl.optimizer_steps == 1,
+      reference_scored=rl.needs_ref_logps,
+    )
+    lower = lambda: lower_update(  # noqa: E731
+      plan,
+      self.graphdef,
+      self.abstract_state,
+      abstract_batch,
+      loss_fn=loss_fn,
+      optimizer=self.optimizer,
+      totals_fn=loss_fn.totals,
+      num_mini_batches=rl.mini_batches,
+      num_epochs=rl.ppo_epochs,
+    )
+    return self.cache.get(Stage.UPDATE, plan, abstract_batch.tokens_BxT.shape, lower)

@@ -38,7 +38,7 @@ from earl_jax.parallel import dispatcher, executables
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel import selector as selector_lib
 from earl_jax.parallel.plan import ParallelPlan, StagePlan
-from earl_jax.rl import batches, objective, preflight, programs, rollout, update
+from earl_jax.rl import batches, preflight, programs, rollout, update
 from earl_jax.sampler import engine
 from earl_jax.types import Stage
 
@@ -100,7 +100,6 @@ class StageResources:
     self.tokenizer = setup.tokenizer
     self.plans: ParallelPlan = setup.plans  # the only copy; ``choose`` replaces it
     self.optimizer = update.make_optimizer(cfg.optim)
-    self.cache = executables.ExecutableCache()
     self._init_weights(setup.pretrained_dir)
     self._cache_need = cfg.rollout.seq_multiple  # slots the last training rollout's rows needed
     self.kv_cache = self._new_kv_cache(self._cache_need)
@@ -134,6 +133,9 @@ class StageResources:
     shardings = executables.train_state_shardings(plan, state, self.optimizer)
     self.state = jax.tree.map(put, state, shardings)
     self.abstract_state = _abstract(self.state)
+    self.programs = programs.StagePrograms(
+      cfg, self.graphdef, self.abstract_params, self.abstract_state, self.optimizer
+    )
     # The frozen reference must own its buffers: with equal layouts the sync is a no-op that
     # would alias the policy's parameters, which the update step donates.
     ref_params, _ = dispatcher.sync_weights(params, self.plans[Stage.REFERENCE])
@@ -182,46 +184,6 @@ class StageResources:
       pad_id=self.tokenizer.pad_id,
     )
 
-  def _rollout_program(self, plan: StagePlan, spec: engine.GenerationSpec, bucket, cache_len: int):
-    lower = lambda: executables.lower_generate(  # noqa: E731
-      plan, self.graphdef, self.abstract_params, cache_len, spec, bucket
-    )
-    return self.cache.get(Stage.ROLLOUT, plan, (*bucket, cache_len), lower, extra=spec)
-
-  def _score_program(self, plan: StagePlan, bucket: tuple[int, int]):
-    lower = lambda: programs.lower_score(  # noqa: E731
-      plan,
-      self.graphdef,
-      self.abstract_params,
-      bucket,
-      chunk_size=self.cfg.rl.logp_chunk,
-      temperature=self.cfg.sampler.temperature,
-    )
-    return self.cache.get(Stage.REFERENCE, plan, bucket, lower)
-
-  def _update_program(self, plan: StagePlan, abstract_batch: batches.AdvantageBatch):
-    rl = self.cfg.rl
-    loss_fn = objective.Objective(
-      rl.loss,
-      chunk_size=rl.logp_chunk,
-      temperature=self.cfg.sampler.temperature,
-      remat=plan.remat,
-      old_from_new=rl.optimizer_steps == 1,
-      reference_scored=rl.needs_ref_logps,
-    )
-    lower = lambda: programs.lower_update(  # noqa: E731
-      plan,
-      self.graphdef,
-      self.abstract_state,
-      abstract_batch,
-      loss_fn=loss_fn,
-      optimizer=self.optimizer,
-      totals_fn=loss_fn.totals,
-      num_mini_batches=rl.mini_batches,
-      num_epochs=rl.ppo_epochs,
-    )
-    return self.cache.get(Stage.UPDATE, plan, abstract_batch.tokens_BxT.shape, lower)
-
   def compiled(
     self, stage: Stage, plan: StagePlan, batch: batches.RolloutBatch | None, length: int = 0
   ):
@@ -229,10 +191,10 @@ class StageResources:
     the rollout's with a cache for a context of ``length`` tokens."""
     if stage is Stage.ROLLOUT:
       bucket = (self._slots(plan), self.cfg.rollout.chunk_multiple)
-      return self._rollout_program(plan, self.spec(), bucket, self._cache_length(length))
+      return self.programs.rollout(plan, self.spec(), bucket, self._cache_length(length))
     if stage is Stage.REFERENCE:
-      return self._score_program(plan, batch.tokens_BxT.shape)
-    return self._update_program(plan, _abstract(jax.eval_shape(lambda: _advantage_shapes(batch))))
+      return self.programs.score(plan, batch.tokens_BxT.shape)
+    return self.programs.update(plan, _abstract(jax.eval_shape(lambda: _advantage_shapes(batch))))
 
   # --- the stages ---------------------------------------------------------------------------
 
@@ -278,7 +240,7 @@ class StageResources:
     rep = executables.replicated(plan)
 
     def generate(kv_cache, prompt, mask, positions, active, rng):
-      program = self._rollout_program(plan, spec, prompt.shape, kv_cache.max_len)
+      program = self.programs.rollout(plan, spec, prompt.shape, kv_cache.max_len)
       host = [put(x, s) for x, s in zip((prompt, mask, positions, active), (row2,) * 3 + (row1,))]
       out, kv_cache = program(params, kv_cache, *host, put(rng, rep))
       return fetch(out), kv_cache
@@ -294,7 +256,7 @@ class StageResources:
     """
     rl, plan = self.cfg.rl, self.plans[Stage.REFERENCE]
     rb = jax.tree.map(put, batch, batch_shardings(plan, batch))
-    program = self._score_program(plan, rb.tokens_BxT.shape)
+    program = self.programs.score(plan, rb.tokens_BxT.shape)
     args = (rb.tokens_BxT, rb.positions_BxT, rb.valid_BxT)
     old = ref = None
     if rl.needs_old_logps:
@@ -318,7 +280,7 @@ class StageResources:
   def update(self, batch: batches.AdvantageBatch) -> dict[str, jax.Array]:
     """One optimiser step (the train state is donated and replaced); returns its metrics on
     device, unfetched."""
-    program = self._update_program(self.plans[Stage.UPDATE], _abstract(batch))
+    program = self.programs.update(self.plans[Stage.UPDATE], _abstract(batch))
     try:
       self.state, metrics = program(self.state, batch)
     except Exception as e:

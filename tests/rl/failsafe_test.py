@@ -59,6 +59,7 @@ def no_device_work(monkeypatch):
     ({"parallel__rollout_layout__tensor": 16}, "parallel.rollout_layout"),
     ({"parallel__num_devices": 64}, "parallel.num_devices"),
     ({"parallel__update_layout__micro_batch_size": 2}, "parallel.update_layout.micro_batch_size"),
+    ({"parallel__rollout_layout__micro_batch_size": 4}, "parallel.rollout_layout.micro_batch_size"),
     ({"rl__mini_batches": 4}, "rl.mini_batches"),
     ({"tokenizer__kind": "hf", "tokenizer__path": "/nonexistent/tok"}, "tokenizer.path"),
     ({"pretrained_path": "/nonexistent/model"}, "pretrained_path"),
