@@ -137,6 +137,6 @@ class WorkdirLock:
   def __exit__(self, *exc: object) -> None:
     self.release()
 
-  def __del__(self) -> None:
+  def __del__(self, _close=os.close) -> None:  # bound now: at interpreter exit `os` may be gone
     if self._fd is not None:
-      os.close(self._fd)  # the kernel drops the flock with its last descriptor
+      _close(self._fd)  # the kernel drops the flock with its last descriptor

@@ -265,6 +265,20 @@ class Trainer:
       out.update(loop_stats.outcome_rates(result.episodes, f"eval/{name}", cfg.env.success))
     return out
 
+  def play(self, opponent: str = "", seed: int = _EVAL_SEED_BASE) -> list[dict[str, Any]]:
+    """One greedy episode of the current policy, as a transcript: the first observation, then
+    per policy turn its reply, what the env answered, the reward, the outcome and (games) the
+    board after the opponent's answer. ``opponent``: an evaluation opponent ("mcts", "random",
+    ...; games only); "" plays the training env."""
+    cfg = self.cfg
+    suites = cfg.env.evaluations((opponent,)) if opponent else [("train", {})]
+    recorder = _Transcript(cfg.env.make(**suites[0][1]))
+    envs = [recorder] + [cfg.env.make() for _ in range(cfg.rollout.num_slots - 1)]
+    params, _ = self.stages.rollout_weights()
+    episode = [rollout.EpisodeSpec(seed=seed, group_id=0)]
+    self.stages.rollout(params, episode, envs, self.fmt, jax.random.key(seed), evaluation=True)
+    return recorder.turns
+
   def restore(self, ckpt: checkpoint_lib.Checkpointer, resume: str = "auto") -> None:
     """``resume``: "auto" (the newest readable checkpoint if any), "required" (error if none),
     "never". Unreadable newer steps are reported, moved aside and skipped; each candidate's saved
@@ -396,6 +410,39 @@ class Trainer:
         scalars[f"compile/{stage}_seconds"] = total - self._compiled_seconds.get(stage, 0.0)
     self._compiled_seconds = dict(cache.compile_seconds)
     return _Row(step, scalars, on_device)
+
+
+class _Transcript:
+  """An env that records its episode (``Trainer.play``); the rollout sees the env it wraps."""
+
+  def __init__(self, env) -> None:
+    self.env, self.turns = env, []
+
+  @property
+  def instructions(self) -> str:
+    return self.env.instructions
+
+  def _board(self) -> str | None:
+    spec, state = getattr(self.env, "spec", None), getattr(self.env, "state", None)
+    return None if spec is None or state is None else spec.render(state)
+
+  def reset(self, seed: int) -> str:
+    observation = self.env.reset(seed)
+    self.turns = [{"observation": observation, "board": self._board()}]
+    return observation
+
+  def step(self, action_text: object):
+    result = self.env.step(action_text)
+    self.turns.append(
+      {
+        "reply": action_text,
+        "observation": result.observation,
+        "reward": result.reward,
+        "outcome": result.info.get("outcome"),
+        "board": self._board(),
+      }
+    )
+    return result
 
 
 @dataclasses.dataclass
