@@ -18,6 +18,11 @@ from earl_jax.rl import loop
 from tests.rl.loop_test import REPO, tiny_config
 
 
+def _export(*args: str) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, "launch/export.py", *args]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.slow
 def test_export_of_a_trained_workdir(tmp_path):
   cfg = tiny_config(num_steps=2, eval_every=0, checkpoint_every=1)
@@ -27,13 +32,7 @@ def test_export_of_a_trained_workdir(tmp_path):
   graphdef = trainer.stages.graphdef
 
   out = tmp_path / "hf"
-  done = subprocess.run(
-    [sys.executable, "launch/export.py", f"--workdir={tmp_path / 'run'}", f"--out={out}"],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  done = _export(f"--workdir={tmp_path / 'run'}", f"--out={out}")
   assert done.returncode == 0, done.stderr[-3000:]
   assert "exported step 1 " in done.stdout and "built-in 'char' tokenizer" in done.stdout
 
@@ -52,13 +51,7 @@ def test_export_of_a_trained_workdir(tmp_path):
 
 
 def test_export_of_a_directory_without_checkpoints_is_one_line(tmp_path):
-  done = subprocess.run(
-    [sys.executable, "launch/export.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'o'}"],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  done = _export(f"--workdir={tmp_path}", f"--out={tmp_path / 'o'}")
   assert done.returncode == 1 and done.stderr.startswith("earl_jax: ")
   assert "has no checkpoints/ directory" in done.stderr and "Traceback" not in done.stderr
 

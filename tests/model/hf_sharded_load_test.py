@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -19,8 +15,8 @@ from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel.plan import make_stage_plan
 from earl_jax.types import Stage
 from tests.model.hf_import_test import _hf_logits, _save_hf, _tokens
+from tests.multiprocess import run_workers
 
-_ROOT = Path(__file__).resolve().parents[2]
 _WORKER = Path(__file__).with_name("hf_sharded_load_worker.py")
 
 
@@ -96,36 +92,10 @@ def test_sharded_load_reads_blocks_only_equals_host_load(tmp_path, monkeypatch, 
   np.testing.assert_allclose(ours, _hf_logits(tmp_path, tokens), atol=1e-4, rtol=0)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_load_their_blocks(tmp_path):
   _save_hf(tmp_path, "qwen2", max_shard_size="20KB")
-  port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(_ROOT)
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(_WORKER), str(port), str(i), str(tmp_path)],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=240)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+  results = run_workers(_WORKER, str(tmp_path))
+  for i, (returncode, out) in enumerate(results):
+    assert returncode == 0, f"process {i} failed:\n{out[-4000:]}"
     assert f"ok {i} params" in out and f"ok {i} logits" in out, out[-4000:]
