@@ -33,6 +33,8 @@ from earl_jax.parallel import plan_cli, presets
 from earl_jax.types import ConfigError, Stage
 
 _GIB = 2**30
+# JAX-side modules are imported inside the functions that use them: the simulated device count
+# must be set (``_set_up_devices``) before anything starts a JAX backend.
 
 
 # Extra KV caches XLA:CPU keeps live through a decode loop over scanned layers (measured on
