@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import os
-import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -27,14 +25,6 @@ from earl_jax.rl import loop, rollout
 from earl_jax.types import Stage
 
 
-def _config(path: str) -> config_lib.ExperimentConfig:
-  sys.path.insert(0, os.getcwd())
-  spec = importlib.util.spec_from_file_location("bench_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return config_lib.from_config_dict(module.get_config())
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="configs/connect_four_tiny.py")
@@ -42,7 +32,7 @@ def main() -> None:
   parser.add_argument("--episodes", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
-  cfg = _config(args.config)
+  cfg = config_lib.load_config_file(args.config)
   trainer = loop.Trainer(cfg, args.workdir or "/tmp/earl_rollout_bench")
   if args.workdir:
     ckpt = checkpoint_lib.Checkpointer(

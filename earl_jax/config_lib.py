@@ -340,24 +340,52 @@ def build(cls: type[T], values: Mapping[str, Any] | ml_collections.ConfigDict, p
   return config_build.build(cls, values, path)
 
 
-def load_config_file(path: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
-  """The validated config of a ``configs/*.py`` file (its ``get_config()``) with ``overrides``
-  (``"rl.num_groups=4"``: Python literals, or the text as a string) applied. A missing or broken
-  file, or an unknown key, is a ConfigError naming it. For tools; ``launch/train.py`` parses the
-  same syntax with ml_collections' config flags."""
+class ConfigFileError(ConfigError):
+  """A config file that gives no config; ``problem`` says why in one line."""
+
+  def __init__(self, path: str, problem: str):
+    super().__init__("config", path, f"a file whose get_config() returns a ConfigDict: {problem}")
+    self.problem = problem
+
+
+def read_config_file(path: str) -> ml_collections.ConfigDict:
+  """The ConfigDict a ``configs/*.py`` file's ``get_config()`` returns, unvalidated. The file's
+  repository is importable meanwhile (``from configs import base``). A missing, broken or wrong
+  file is a ConfigFileError naming the file and the first problem."""
   if not os.path.isfile(path):
-    raise ConfigError("config", path, "a path to a config file (configs/<name>.py)")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # so `from configs import base`
+    raise ConfigFileError(path, f"no config file at {path!r}")
+  spec = importlib.util.spec_from_file_location("_earl_config_file", path)
+  if spec is None or spec.loader is None:
+    raise ConfigFileError(path, f"{path!r} is not a Python file")
+  module = importlib.util.module_from_spec(spec)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
   sys.path.insert(0, root)
   try:
-    spec = importlib.util.spec_from_file_location("_earl_config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-  except Exception as e:  # a broken file: name it and its first problem
-    raise ConfigError("config", path, f"a config file whose get_config() works ({e!r})") from None
+    try:
+      spec.loader.exec_module(module)
+    except Exception as e:  # a broken file: name it and the first problem
+      raise ConfigFileError(path, f"{path} cannot be imported: {type(e).__name__}: {e}") from None
+    if not callable(getattr(module, "get_config", None)):
+      why = "defines no get_config() (it must return an ml_collections.ConfigDict)"
+      raise ConfigFileError(path, f"{path} {why}")
+    try:
+      config = module.get_config()
+    except Exception as e:
+      raise ConfigFileError(path, f"{path}: get_config() raised {type(e).__name__}: {e}") from None
   finally:
     sys.path.remove(root)
+  if not hasattr(config, "keys"):
+    kind = type(config).__name__
+    raise ConfigFileError(path, f"{path}: get_config() returned a {kind}, not a ConfigDict")
+  return config
+
+
+def load_config_file(path: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
+  """The validated config of a ``configs/*.py`` file with ``overrides`` (``"rl.num_groups=4"``:
+  Python literals, or the text as a string) applied; a bad file or an unknown key is a
+  ConfigError naming it. For tools; ``launch/train.py`` reads the file the same way and parses
+  overrides with ml_collections' config flags."""
+  config = read_config_file(path)
   values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   for item in overrides:
     key, sep, text = item.partition("=")

@@ -139,19 +139,10 @@ class FitCheck:
     )
     self.num_params = sum(x.size for x in jax.tree.leaves(params))
 
-  def load(self, stage: Stage) -> int:
-    """Sequences a stage handles at once, as the loop asks the selector."""
-    rl = self.cfg.rl
-    return {
-      Stage.ROLLOUT: self.cfg.rollout.num_slots,
-      Stage.REFERENCE: rl.batch_size,
-      Stage.UPDATE: rl.batch_size // rl.mini_batches,
-    }[stage]
-
   def program(self, stage: Stage, plan, context: int):
     """``stage``'s compiled program on ``plan`` for sequences of ``context`` tokens."""
-    from earl_jax.parallel import selector as selector_lib
-    from earl_jax.rl import programs
+    from earl_jax.rl import programs, rollout
+    from earl_jax.rl import stages as stages_lib
     from earl_jax.sampler import engine
 
     rc = self.cfg.rollout
@@ -159,10 +150,9 @@ class FitCheck:
       spec = engine.GenerationSpec.with_stop_ids(
         (0,), strategy=self.cfg.sampler.make(), max_new_tokens=rc.max_new_tokens, pad_id=0
       )
-      cache_len = min(selector_lib.bucket_for(context, rc.seq_multiple), rc.cache_len())
-      bucket = (plan.micro_batch_size or rc.num_slots, rc.chunk_multiple)
-      return self.programs.rollout(plan, spec, bucket, cache_len)
-    t = -(-context // rc.seq_multiple) * rc.seq_multiple  # the loop's padding
+      bucket = (stages_lib.rollout_slots(self.cfg, plan), rc.chunk_multiple)
+      return self.programs.rollout(plan, spec, bucket, stages_lib.cache_length(rc, context))
+    t = rollout.round_up(context, rc.seq_multiple)  # the rollout batch's padding
     if stage is Stage.REFERENCE:
       return self.programs.score(plan, (self.cfg.rl.batch_size, t))
     return self.programs.update(plan, programs.abstract_update_batch(self.cfg.rl.batch_size, t))
@@ -170,8 +160,9 @@ class FitCheck:
   def check(self, stage: Stage, context: int, plan=None) -> FitRow:
     """The selector's plan (or ``plan``) for ``stage`` at ``context``, compiled."""
     from earl_jax.parallel import selector as selector_lib
+    from earl_jax.rl import stages as stages_lib
 
-    load = self.load(stage)
+    load = stages_lib.selector_load(self.cfg, stage)
     bucket = selector_lib.bucket_for(context, self.cfg.rollout.seq_multiple)
     start = time.perf_counter()
     note, tried = "", []

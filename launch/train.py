@@ -12,7 +12,6 @@ real meshes (the tests use 8).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import sys
@@ -50,25 +49,10 @@ def _fail(message: str) -> None:
 
 def _load_config_file(path: str):
   """The ConfigDict of a config file, or a one-line exit naming what is wrong with the file."""
-  if not os.path.isfile(path):
-    _fail(f"--config: no config file at {path!r}")
-  spec = importlib.util.spec_from_file_location("_earl_config", path)
-  if spec is None or spec.loader is None:
-    _fail(f"--config: {path!r} is not a Python file")
-  module = importlib.util.module_from_spec(spec)
   try:
-    spec.loader.exec_module(module)
-  except Exception as e:  # a broken file: name it and the first problem
-    _fail(f"--config: {path} cannot be imported: {type(e).__name__}: {e}")
-  if not callable(getattr(module, "get_config", None)):
-    _fail(f"--config: {path} defines no get_config() (it must return an ml_collections.ConfigDict)")
-  try:
-    config = module.get_config()
-  except Exception as e:
-    _fail(f"--config: {path}: get_config() raised {type(e).__name__}: {e}")
-  if not hasattr(config, "keys"):
-    _fail(f"--config: {path}: get_config() returned a {type(config).__name__}, not a ConfigDict")
-  return config
+    return config_lib.read_config_file(path)
+  except config_lib.ConfigFileError as e:
+    _fail(f"--config: {e.problem}")
 
 
 def _check_overrides(argv: list[str]) -> None:

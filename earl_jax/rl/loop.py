@@ -165,12 +165,8 @@ class Trainer:
     later)."""
     cfg, stages = self.cfg, self.stages
     rng = jax.random.fold_in(jax.random.key(cfg.seed), step)
-    slots = cfg.rollout.num_slots
-    # The update's load is one optimiser step's mini-batch: its plan's micro-batches split that.
-    loads = {
-      Stage.REFERENCE: cfg.rl.batch_size,
-      Stage.UPDATE: cfg.rl.batch_size // cfg.rl.mini_batches,
-    }
+    loads = {stage: stages_lib.selector_load(cfg, stage) for stage in Stage}
+    slots = loads[Stage.ROLLOUT]
     if stages.selector is not None:
       with timer("select"):  # EARL: the rollout layout follows the current context range
         stages.choose(Stage.ROLLOUT, slots, self._context_length, step)

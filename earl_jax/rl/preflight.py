@@ -71,9 +71,9 @@ def _layout_key(stage: Stage) -> str:
 
 
 def check_plans(cfg: config_lib.ExperimentConfig, devices, model_cfg) -> ParallelPlan:
-  """``make_plans``, with every layout problem raised as a ConfigError naming the layout key:
-  mesh axes vs the device count and the model's dimensions, and the batch, mini-batch and
-  micro-batch vs each stage's batch shards."""
+  """``make_plans`` (mesh axes vs the device count and the model's dimensions, each stage's batch
+  and micro-batch vs its batch shards), and the mini-batch vs the update's batch shards; every
+  problem is a ConfigError naming its config key."""
   plans = make_plans(cfg, devices, model_cfg)
   upd = plans[Stage.UPDATE]
   shards = upd.shards_for(BATCH)
@@ -84,14 +84,6 @@ def check_plans(cfg: config_lib.ExperimentConfig, devices, model_cfg) -> Paralle
       cfg.rl.mini_batches,
       f"a value whose mini-batch (batch {cfg.rl.batch_size} / mini_batches = {mini}) divides "
       f"over the update layout's {shards} batch shards",
-    )
-  micro = upd.micro_batch_size
-  if micro and micro % shards:
-    raise config_lib.ConfigError(
-      f"{_layout_key(Stage.UPDATE)}.micro_batch_size",
-      micro,
-      f"0 or a multiple of the update layout's {shards} batch shards that divides the "
-      f"mini-batch {mini}",
     )
   return plans
 

@@ -86,10 +86,25 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def _advantage_shapes(batch: batches.RolloutBatch) -> batches.AdvantageBatch:
-  zeros = jnp.zeros(batch.tokens_BxT.shape, jnp.float32)
-  scored = batches.ScoredBatch.from_rollout(batch, ref_logps_BxT=zeros, old_logps_BxT=zeros)
-  return batches.AdvantageBatch.from_scored(scored, advantages_BxT=zeros, returns_BxT=zeros)
+def selector_load(cfg: config_lib.ExperimentConfig, stage: Stage) -> int:
+  """Sequences ``stage`` handles at once, the load its plans are chosen for: the rollout's slots,
+  the reference's batch, the update's mini-batch (one optimiser step; its plan's micro-batches
+  split that)."""
+  if stage is Stage.ROLLOUT:
+    return cfg.rollout.num_slots
+  return cfg.rl.batch_size // (cfg.rl.mini_batches if stage is Stage.UPDATE else 1)
+
+
+def rollout_slots(cfg: config_lib.ExperimentConfig, plan: StagePlan) -> int:
+  """Episodes the rollout decodes at once on ``plan``: its micro-batch (the selector's waves:
+  fewer cache rows, refilled as episodes end) or every slot."""
+  return plan.micro_batch_size or cfg.rollout.num_slots
+
+
+def cache_length(rc: rollout.RolloutConfig, needed: int) -> int:
+  """KV-cache slots per row for a context of ``needed`` tokens: its geometric length bucket (the
+  one the selector plans with), at most ``rc.cache_len()``."""
+  return min(selector_lib.bucket_for(max(needed, 1), rc.seq_multiple), rc.cache_len())
 
 
 class StageResources:
@@ -142,15 +157,10 @@ class StageResources:
     self.ref_params = jax.tree.map(jnp.copy, ref_params)
 
   def _cache_length(self, needed: int) -> int:
-    """Cache slots per row for a context of ``needed`` tokens: its geometric length bucket (the
-    one the selector plans with), at most ``rollout.cache_len()``."""
-    rc = self.cfg.rollout
-    return min(selector_lib.bucket_for(max(needed, 1), rc.seq_multiple), rc.cache_len())
+    return cache_length(self.cfg.rollout, needed)
 
   def _slots(self, plan: StagePlan) -> int:
-    """Episodes the rollout decodes at once on ``plan``: its micro-batch (the selector's waves:
-    fewer cache rows, refilled as episodes end) or every slot."""
-    return plan.micro_batch_size or self.cfg.rollout.num_slots
+    return rollout_slots(self.cfg, plan)
 
   def _new_kv_cache(self, needed: int = 0) -> model_lib.KVCache:
     length, rows = self._cache_length(needed), self._slots(self.plans[Stage.ROLLOUT])
@@ -194,7 +204,7 @@ class StageResources:
       return self.programs.rollout(plan, self.spec(), bucket, self._cache_length(length))
     if stage is Stage.REFERENCE:
       return self.programs.score(plan, batch.tokens_BxT.shape)
-    return self.programs.update(plan, _abstract(jax.eval_shape(lambda: _advantage_shapes(batch))))
+    return self.programs.update(plan, programs.abstract_update_batch(*batch.tokens_BxT.shape))
 
   # --- the stages ---------------------------------------------------------------------------
 
