@@ -65,6 +65,44 @@ def _tokenizer_dir(cfg: config_lib.ExperimentConfig) -> tuple[str | None, str]:
   return hf_import.resolve_checkpoint_dir(cfg.tokenizer.path), cfg.tokenizer.path
 
 
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  step: int
+  config: config_lib.ExperimentConfig
+  model_cfg: ModelConfig
+  params: nnx.State  # the policy's parameters, on the first local device
+
+
+def _open_step(ckpt: checkpoint.Checkpointer, directory: pathlib.Path, step: int | None) -> int:
+  steps = ckpt.all_steps()
+  if not steps or (step is not None and step not in steps):
+    want = "any step" if step is None else f"step {step}"
+    raise FileNotFoundError(f"no checkpoint for {want} in {directory} (steps: {steps or 'none'})")
+  return steps[-1] if step is None else step
+
+
+def _checkpoints(workdir: str) -> pathlib.Path:
+  directory = pathlib.Path(workdir) / "checkpoints"
+  if not directory.is_dir():
+    raise FileNotFoundError(f"{workdir} has no checkpoints/ directory: is it a training workdir?")
+  return directory
+
+
+def load_policy(workdir: str, *, step: int | None = None) -> Policy:
+  """The policy of ``workdir``'s checkpoint ``step`` (default: the newest), for serving."""
+  directory = _checkpoints(workdir)
+  with checkpoint.Checkpointer(directory, save_every=1, keep=10**9, async_save=False) as ckpt:
+    step = _open_step(ckpt, directory, step)
+    cfg = config_lib.from_config_dict(ckpt.read_meta(step)["config"])
+    model_cfg, _ = _model_config(cfg)
+    abstract = nnx.state(nnx.eval_shape(lambda: model_lib.Decoder(model_cfg, rngs=nnx.Rngs(0))))
+    flat = dict(_policy_params(ckpt, step, model_cfg))
+  params = nnx.from_flat_state(
+    [(path, var.replace(flat[path])) for path, var in nnx.to_flat_state(abstract)]
+  )
+  return Policy(step, cfg, model_cfg, params)
+
+
 def export_workdir(
   workdir: str,
   out_dir: str,
@@ -80,16 +118,10 @@ def export_workdir(
   """
   if dtype not in hf_export.DTYPES:
     raise ValueError(f"dtype={dtype!r}; allowed: {sorted(hf_export.DTYPES)}")
-  directory = pathlib.Path(workdir) / "checkpoints"
-  if not directory.is_dir():
-    raise FileNotFoundError(f"{workdir} has no checkpoints/ directory: is it a training workdir?")
+  directory = _checkpoints(workdir)
   # Never saves: keep is set high so that opening it can never delete a step of a live run.
   with checkpoint.Checkpointer(directory, save_every=1, keep=10**9, async_save=False) as ckpt:
-    steps = ckpt.all_steps()
-    if not steps or (step is not None and step not in steps):
-      want = "any step" if step is None else f"step {step}"
-      raise FileNotFoundError(f"no checkpoint for {want} in {directory} (steps: {steps or 'none'})")
-    step = steps[-1] if step is None else step
+    step = _open_step(ckpt, directory, step)
     cfg = config_lib.from_config_dict(ckpt.read_meta(step)["config"])
     model_cfg, base = _model_config(cfg)
     tokenizer_dir, tokenizer = _tokenizer_dir(cfg)

@@ -69,7 +69,7 @@ class GenerateOutput:
   next_positions_B: jax.Array
 
 
-def _stop_table(spec: GenerationSpec) -> tuple[jax.Array, int]:
+def stop_table(spec: GenerationSpec) -> tuple[jax.Array, int]:
   """Stop sequences right-aligned in a [num_stops, M] table, -1 = wildcard padding on the left."""
   m = max((len(s) for s in spec.stop_sequences), default=1)
   rows = [(-1,) * (m - len(s)) + tuple(s) for s in spec.stop_sequences]
@@ -109,10 +109,10 @@ def generate(
     turn only prefills the environment's answer.
   """
   b, n = prompt_BxP.shape[0], spec.max_new_tokens
-  logits_BxV, pos_B, active_B, cache = _prefill(
+  logits_BxV, pos_B, active_B, cache = prefill_chunk(
     model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, active_B
   )
-  stops_SxM, m = _stop_table(spec)
+  stops_SxM, m = stop_table(spec)
   init = _Decode(
     i=jnp.int32(0),
     done_B=~active_B,
@@ -126,7 +126,7 @@ def generate(
     cache=cache,
     rng=rng,
   )
-  step = functools.partial(_decode_step, model, spec, stops_SxM, _decode_layers(model))
+  step = functools.partial(_decode_step, model, spec, stops_SxM, decode_layers(model))
   end = jax.lax.while_loop(lambda c: (c.i < n) & ~jnp.all(c.done_B), step, init)
   result = GenerateOutput(
     tokens_BxN=end.tokens_BxN,
@@ -155,7 +155,7 @@ class _Decode(NamedTuple):
   rng: jax.Array
 
 
-def _prefill(model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, active_B):
+def prefill_chunk(model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, active_B):
   """Writes the prompt chunk into the cache; the logits after each row's last real token."""
   h_BxPxD, cache = model.hidden(
     prompt_BxP, prompt_positions_BxP, mask_BxT=prompt_mask_BxP, cache=cache
@@ -168,7 +168,7 @@ def _prefill(model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, ac
   return logits_BxV, pos_B, active_B, cache
 
 
-def _decode_layers(model) -> list | None:
+def decode_layers(model) -> list | None:
   """Per-layer weights for the decode loop, sliced here once (``ModelConfig.decode_layers``);
   None: the loop scans the stacked blocks."""
   return model.layer_states() if model.cfg.unrolled_decode(jax.default_backend()) else None

@@ -1,0 +1,134 @@
+"""Serving through JetStream: the Engine API decodes what the rollout engine decodes; the gRPC
+server returns the same text, rejects malformed requests and keeps serving; a trained workdir
+serves its policy."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from earl_jax import model as model_lib
+from earl_jax.model.config import ModelConfig
+from earl_jax.sampler import engine as turn_engine
+from earl_jax.sampler import slots
+from earl_jax.serve import engine as serve_engine
+from earl_jax.serve import server as serve_server
+
+CFG = ModelConfig(
+  vocab_size=105, embed_dim=32, mlp_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+)  # fmt: skip
+TOK = model_lib.CharTokenizer()
+PROMPTS = [f"<bos><usr>{t}<end><asst>" for t in ("x 3", "o -", "hello there")]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def engine():
+  graphdef, params = nnx.split(model_lib.Decoder(CFG, rngs=nnx.Rngs(3)))
+  config = serve_engine.EngineConfig(num_slots=2, max_prefill_length=32, max_decode_length=24)
+  return serve_engine.Engine(graphdef, params, CFG, TOK, config)
+
+
+def _turn_engine_replies(engine, prompts: list[str]) -> list[list[int]]:
+  """The rollout's (turn-synchronous) engine, greedy, on the same prompts: reply ids, stop
+  token excluded (JetStream does not return it)."""
+  ids = [TOK.encode(p) for p in prompts]
+  tokens, mask, positions = slots.host_chunk(ids, [0] * len(ids), 8, TOK.pad_id)
+  spec = turn_engine.GenerationSpec.with_stop_ids(
+    TOK.stop_ids, max_new_tokens=MAX_NEW, pad_id=TOK.pad_id
+  )
+  fn = turn_engine.make_generate_fn(engine.programs.graphdef, spec)
+  cache = model_lib.init_cache(CFG, tokens.shape[0], 64)
+  active = np.arange(tokens.shape[0]) < len(ids)
+  out, _ = jax.device_get(
+    fn(engine.load_params(), cache, tokens, mask, positions, active, jax.random.key(0))
+  )
+  replies = []
+  for i in range(len(ids)):
+    row = [int(t) for t in out.tokens_BxN[i, : int(out.lengths_B[i])]]
+    replies.append([t for t in row if t not in TOK.stop_ids])
+  return replies
+
+
+def _engine_api_replies(engine, prompts: list[str]) -> list[list[int]]:
+  """The Engine API driven as JetStream's orchestrator drives it: prefill each request, insert
+  into a free slot, generate one token per call for every slot; more requests than slots."""
+  tok = engine.build_tokenizer(engine.get_tokenizer())
+  params, state = engine.load_params(), engine.init_decode_state()
+  queue, owner, replies, done = list(range(len(prompts))), {}, {}, set()
+  while len(done) < len(prompts):
+    for slot in range(engine.max_concurrent_decodes):
+      if slot not in owner and queue:
+        i = queue.pop(0)
+        padded, true_length = tok.encode(prompts[i], max_prefill_length=engine.max_prefill_length)
+        prefix = engine.prefill(params=params, padded_tokens=padded, true_length=true_length)
+        state = engine.insert(prefix, state, slot)
+        owner[slot], replies[i] = i, []
+    state, result = engine.generate(params, state)
+    result = result.convert_to_numpy()
+    for slot, i in list(owner.items()):
+      data = result.get_result_at_slot(slot)
+      t, valid = int(data.tokens[0, 0]), bool(data.valid[0, 0])
+      if not valid or t in tok.stop_tokens or len(replies[i]) >= MAX_NEW:
+        done.add(i)
+        del owner[slot]
+      else:
+        replies[i].append(t)
+  return [replies[i] for i in range(len(prompts))]
+
+
+def test_engine_api_greedy_equals_the_rollout_engines_greedy(engine):
+  want = _turn_engine_replies(engine, PROMPTS)
+  assert _engine_api_replies(engine, PROMPTS) == want
+  assert any(want)  # the random model says something
+
+
+def test_prefill_checks_its_length(engine):
+  with pytest.raises(ValueError, match="true_length=0"):
+    engine.prefill(params=engine.load_params(), padded_tokens=np.zeros(16, np.int32), true_length=0)
+  with pytest.raises(ValueError, match="max_prefill_length=100"):
+    serve_engine.EngineConfig(max_prefill_length=100)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+  with serve_server.Server(engine, port=0) as s:
+    yield s
+
+
+def test_grpc_decode_returns_the_engines_text_and_ids(server, engine):
+  want = _turn_engine_replies(engine, PROMPTS)
+  for prompt, ids in zip(PROMPTS, want):
+    text, got = serve_server.decode(server.address, text=prompt, max_tokens=MAX_NEW)
+    assert got == ids
+    assert text == TOK.decode(ids)
+  # Token content in, token ids out: the same reply.
+  _, got = serve_server.decode(server.address, token_ids=TOK.encode(PROMPTS[0]), max_tokens=MAX_NEW)
+  assert got == want[0]
+  assert serve_server.health(server.address)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "message"),
+  [
+    ({"text": ""}, "no content|text_content.text is empty"),
+    ({"token_ids": [5, 999, -1]}, r"token ids \[999, -1\] are outside"),
+    ({"text": "x" * 40}, "the prompt has 40 tokens; this server prefills at most 32"),
+    ({"text": "<bos>", "max_tokens": 0}, "max_tokens=0"),
+  ],
+)
+def test_malformed_requests_get_invalid_argument_and_the_server_keeps_serving(
+  server, engine, kwargs, message
+):
+  kwargs.setdefault("max_tokens", 4)
+  with pytest.raises(grpc.RpcError) as e:
+    serve_server.decode(server.address, **kwargs)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert re.search(message, e.value.details())
+  _, got = serve_server.decode(server.address, text=PROMPTS[1], max_tokens=MAX_NEW)
+  assert got == _turn_engine_replies(engine, PROMPTS[1:2])[0]
