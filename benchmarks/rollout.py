@@ -1,76 +1,230 @@
-"""Multi-turn rollout throughput and context growth of a config, on the simulated CPU devices.
+"""Rollout and serving throughput: continuous batching vs turn-synchronous, side by side.
 
-  PYTHONPATH=. python benchmarks/rollout.py --config=configs/connect_four_tiny.py \
-      [--workdir=runs/connect_four_tiny]   # a trained policy from that workdir's checkpoint
+  PYTHONPATH=. python benchmarks/rollout.py                      # all three parts
+  PYTHONPATH=. python benchmarks/rollout.py --parts longtail --slots 16 --episodes 64
 
-Prints episodes/s, generated tokens/s and the context-length distribution of the episodes by the
-number of model turns they lasted (a trained policy plays longer, legal games). Timing is the
-best of --repeats rollouts of the same episodes after a warm-up (compilation) rollout.
+(longtail) The long-tailed workload of ``benchmarks/longtail.py`` (replies of a few to hundreds of
+  tokens, episodes of 1 to 12 turns) played by the same random-weight model with the same slot
+  count through the turn-synchronous rollout (every row decodes until the slowest stops, then the
+  envs step one after another) and the continuous one (``rollout.batching=continuous``): generated
+  tokens/s, episodes/s and makespan, medians of interleaved repetitions after a warm-up
+  (compiling) run each; with and without a simulated tool latency per env step.
+(serving) The same model behind JetStream: concurrent gRPC ``Decode`` requests through
+  ``launch/serve.py``'s server on localhost vs the same requests through the Engine API called
+  directly (prefill / insert / generate in one loop, no threads, no gRPC): tokens/s.
+(config) A config's own rollout (default: the tiny default run, untrained or --workdir's policy)
+  with ``rollout.batching`` turn and continuous: seconds per rollout of the training batch.
+
+Runs on one CPU device unless XLA_FLAGS says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import concurrent.futures
 import os
+import statistics
+import sys
+import tempfile
+import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
+from flax import nnx
 
-from earl_jax import checkpoint as checkpoint_lib
+from benchmarks import longtail
 from earl_jax import config_lib
-from earl_jax.rl import loop, rollout
-from earl_jax.types import Stage
+from earl_jax import model as model_lib
+from earl_jax.model.config import ModelConfig
+from earl_jax.rl import rollout, turn_format
+from earl_jax.sampler import engine, slots
+
+TOK = model_lib.CharTokenizer()
+
+
+def _model(width: int, layers: int) -> tuple[nnx.GraphDef, nnx.State, ModelConfig]:
+  cfg = ModelConfig(
+    vocab_size=TOK.vocab_size, embed_dim=width, mlp_dim=3 * width, num_layers=layers,
+    num_heads=max(1, width // 64), num_kv_heads=max(1, width // 128), head_dim=64,
+    max_seq_len=4096,
+  )  # fmt: skip
+  graphdef, params = nnx.split(model_lib.Decoder(cfg, rngs=nnx.Rngs(0)))
+  return graphdef, params, cfg
+
+
+def _median_row(runs: list[rollout.RolloutResult]) -> dict[str, float]:
+  s = statistics.median(r.seconds for r in runs)
+  tok = statistics.median(r.generated_tokens / r.seconds for r in runs)
+  eps = statistics.median(len(r.episodes) / r.seconds for r in runs)
+  return {"seconds": s, "tok/s": tok, "episodes/s": eps, "calls": runs[0].turns}
+
+
+def longtail_part(args) -> None:
+  graphdef, params, mcfg = _model(args.width, args.layers)
+  spec = engine.GenerationSpec.with_stop_ids(
+    TOK.stop_ids,
+    strategy=longtail.StopWithProbability(TOK.end_id, args.stop_p),
+    max_new_tokens=args.max_new,
+    pad_id=TOK.pad_id,
+  )
+  rc = rollout.RolloutConfig(
+    num_slots=args.slots, max_turns=12, max_new_tokens=args.max_new, max_context=4096,
+    chunk_multiple=16, decode_steps=args.decode_steps,
+  )  # fmt: skip
+  fmt = turn_format.PlainFormat(TOK)
+  episodes = [rollout.EpisodeSpec(seed=1000 + i, group_id=i) for i in range(args.episodes)]
+  turn_fn = engine.make_generate_fn(graphdef, spec)
+  progs = slots.SlotPrograms(graphdef, spec, steps=min(args.decode_steps, args.max_new))
+  cache_len = 2048
+
+  def turn(envs, key):
+    gen = lambda cache, *a: turn_fn(params, cache, *a)  # noqa: E731
+    cache = model_lib.init_cache(mcfg, args.slots, cache_len)
+    return rollout.run_rollout(gen, cache, envs, fmt, episodes, rc, key, pad_id=TOK.pad_id)[0]
+
+  def continuous(envs, key):
+    cache = model_lib.init_cache(mcfg, args.slots, cache_len)
+    state = progs.new_state(cache, mcfg.padded_vocab_size, key)
+    return rollout.run_rollout_continuous(
+      progs.bind(params), state, envs, fmt, episodes, rc, key, pad_id=TOK.pad_id
+    )[0]
+
+  print(f"\n(longtail) {mcfg.num_params / 1e6:.1f}M-parameter model, {args.slots} slots, "
+        f"{args.episodes} episodes, replies ~ geometric(mean {1 / args.stop_p:.0f}, cut at "
+        f"{args.max_new}) tokens, 1-12 turns (mean 3); continuous decodes {progs.steps} tokens "
+        f"a call; medians of {args.repeats} interleaved runs")  # fmt: skip
+  print("| env latency | mode | makespan s | generated tok/s | episodes/s | device calls |")
+  print("|---|---|---|---|---|---|")
+  for latency in args.latencies:
+    envs = [longtail.LongTailEnv(latency_ms=latency) for _ in range(args.slots)]
+    runs = {"turn": [], "continuous": []}
+    for r in range(args.repeats + 1):
+      for name, fn in (("turn", turn), ("continuous", continuous)):
+        result = fn(envs, jax.random.key(r))
+        if r:  # the first run of each compiles
+          runs[name].append(result)
+    rows = {k: _median_row(v) for k, v in runs.items()}
+    for name, row in rows.items():
+      print(f"| {latency:g} ms | {name} | {row['seconds']:.2f} | {row['tok/s']:.0f} | "
+            f"{row['episodes/s']:.2f} | {row['calls']} |")  # fmt: skip
+    ratio = rows["continuous"]["tok/s"] / rows["turn"]["tok/s"]
+    print(f"| {latency:g} ms | continuous / turn (tokens/s) | {ratio:.2f}x | | | |")
+
+
+def _requests(n: int, rng: np.random.Generator) -> list[str]:
+  out = []
+  for _ in range(n):
+    text = "".join(chr(c) for c in rng.integers(ord("a"), ord("z") + 1, int(rng.integers(5, 60))))
+    out.append(f"<bos><usr>{text}<end><asst>")
+  return out
+
+
+def serving_part(args) -> None:
+  from earl_jax.serve import engine as serve_engine
+  from earl_jax.serve import server as serve_server
+
+  graphdef, params, mcfg = _model(args.width, args.layers)
+  config = serve_engine.EngineConfig(
+    num_slots=args.slots, max_prefill_length=128, max_decode_length=args.serve_tokens
+  )
+  eng = serve_engine.Engine(graphdef, params, mcfg, TOK, config)
+  prompts = _requests(args.requests, np.random.default_rng(0))
+
+  def direct() -> int:
+    tok, state = eng.build_tokenizer(eng.get_tokenizer()), eng.init_decode_state()
+    queue, owner, produced = list(range(len(prompts))), {}, 0
+    while queue or owner:
+      for slot in range(eng.max_concurrent_decodes):
+        if slot not in owner and queue:
+          padded, n = tok.encode(prompts[queue[0]], max_prefill_length=eng.max_prefill_length)
+          state = eng.insert(eng.prefill(params=params, padded_tokens=padded, true_length=n),
+                             state, slot)  # fmt: skip
+          owner[slot] = [queue.pop(0), 0]
+      state, result = eng.generate(params, state)
+      result = result.convert_to_numpy()
+      for slot, entry in list(owner.items()):
+        data = result.get_result_at_slot(slot)
+        stop = int(data.tokens[0, 0]) in tok.stop_tokens or not bool(data.valid[0, 0])
+        if stop or entry[1] >= args.serve_tokens:
+          del owner[slot]
+        else:
+          entry[1] += 1
+          produced += 1
+    return produced
+
+  def grpc_run(address: str) -> int:
+    with concurrent.futures.ThreadPoolExecutor(args.slots) as pool:
+      calls = [pool.submit(serve_server.decode, address, text=p, max_tokens=args.serve_tokens)
+               for p in prompts]  # fmt: skip
+      return sum(len(c.result()[1]) for c in calls)
+
+  times = {"engine API, direct": [], "gRPC server": []}
+  with serve_server.Server(eng, port=0) as server:
+    for r in range(args.repeats + 1):
+      for name, fn in (
+        ("engine API, direct", direct),
+        ("gRPC server", lambda: grpc_run(server.address)),
+      ):
+        t = time.perf_counter()
+        produced = fn()
+        if r:
+          times[name].append(produced / (time.perf_counter() - t))
+  print(f"\n(serving) {mcfg.num_params / 1e6:.1f}M-parameter model, {args.slots} slots, "
+        f"{args.requests} requests of up to {args.serve_tokens} tokens (random weights: most run "
+        f"to the limit), greedy; medians of {args.repeats}")  # fmt: skip
+  print("| path | generated tok/s |")
+  print("|---|---|")
+  for name, rates in times.items():
+    print(f"| {name} | {statistics.median(rates):.0f} |")
+  ratio = statistics.median(times["gRPC server"]) / statistics.median(times["engine API, direct"])
+  print(f"| gRPC / direct | {ratio:.2f}x |")
+
+
+def config_part(args) -> None:
+  from earl_jax.rl import loop
+
+  trainers = {}
+  for mode in ("turn", "continuous"):
+    cfg = config_lib.load_config_file(args.config, [f"rollout.batching={mode}"])
+    trainers[mode] = loop.Trainer(cfg, tempfile.mkdtemp(prefix=f"earl_rollout_{mode}_"))
+  episodes = trainers["turn"].episodes(0)
+  seconds = {m: [] for m in trainers}
+  for r in range(args.repeats + 1):
+    for mode, t in trainers.items():
+      params, _ = t.stages.rollout_weights()
+      result = t.stages.rollout(params, episodes, t.envs, t.fmt, jax.random.key(r))
+      if r:
+        seconds[mode].append(result.seconds)
+  print(f"\n(config) {args.config}: one training rollout ({len(episodes)} episodes), untrained "
+        f"policy, {jax.device_count()} device(s); medians of {args.repeats}")  # fmt: skip
+  print("| rollout.batching | seconds |")
+  print("|---|---|")
+  for mode, s in seconds.items():
+    print(f"| {mode} | {statistics.median(s):.3f} |")
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="configs/connect_four_tiny.py")
-  parser.add_argument("--workdir", default="", help="restore the policy from this run")
-  parser.add_argument("--episodes", type=int, default=128)
-  parser.add_argument("--repeats", type=int, default=3)
-  args = parser.parse_args()
-  cfg = config_lib.load_config_file(args.config)
-  trainer = loop.Trainer(cfg, args.workdir or "/tmp/earl_rollout_bench")
-  if args.workdir:
-    ckpt = checkpoint_lib.Checkpointer(
-      os.path.join(args.workdir, "checkpoints"), save_every=1, keep=1
-    )
-    trainer.restore(ckpt, resume="required")
-  params, _ = trainer.stages.rollout_weights()
-  episodes = [rollout.EpisodeSpec(seed=10**8 + i, group_id=0) for i in range(args.episodes)]
-  results = []
-  for r in range(args.repeats + 1):  # the first one compiles
-    rng = jax.random.key(r)
-    results.append(trainer.stages.rollout(params, episodes, trainer.envs, trainer.fmt, rng))
-  timed = results[1:]
-  best = min(timed, key=lambda x: x.seconds)
-  print(
-    f"config {args.config}; policy: {args.workdir or 'untrained'}; {jax.device_count()} devices"
-  )
-  print(f"plan: {trainer.plans[Stage.ROLLOUT].describe()}")
-  n = len(timed)
-  print(f"| episodes | seconds (best of {n}) | episodes/s | generated tokens/s | generate calls |")
-  print("|---|---|---|---|---|")
-  print(
-    f"| {len(episodes)} | {best.seconds:.2f} | {len(episodes) / best.seconds:.1f} | "
-    f"{best.generated_tokens / best.seconds:.0f} | {best.turns} |"
-  )
-  by_turns = collections.defaultdict(list)
-  for e in best.episodes:
-    by_turns[e.turns].append(e.context_len)
-  print("\n| model turns | episodes | context mean | p50 | p90 | max |")
-  print("|---|---|---|---|---|---|")
-  for turns in sorted(by_turns):
-    c = np.asarray(by_turns[turns])
-    print(
-      f"| {turns} | {len(c)} | {c.mean():.0f} | {np.percentile(c, 50):.0f} | "
-      f"{np.percentile(c, 90):.0f} | {c.max()} |"
-    )
-  outcomes = collections.Counter(e.outcome for e in best.episodes)
-  print("\noutcomes:", dict(outcomes))
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--parts", default="longtail,serving,config")
+  p.add_argument("--width", type=int, default=256)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--slots", type=int, default=16)
+  p.add_argument("--episodes", type=int, default=64)
+  p.add_argument("--max-new", type=int, default=256)
+  p.add_argument("--stop-p", type=float, default=1 / 40)
+  p.add_argument("--decode-steps", type=int, default=8)
+  p.add_argument("--latencies", type=float, nargs="+", default=[0.0, 20.0])
+  p.add_argument("--requests", type=int, default=48)
+  p.add_argument("--serve-tokens", type=int, default=64)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--config", default="configs/connect_four_tiny.py")
+  args = p.parse_args()
+  print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s)")
+  parts = {"longtail": longtail_part, "serving": serving_part, "config": config_part}
+  for name in args.parts.split(","):
+    parts[name](args)
 
 
 if __name__ == "__main__":

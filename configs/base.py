@@ -95,6 +95,11 @@ def get_config() -> ml_collections.ConfigDict:
   r.max_context = 512  # token budget of one episode; longer episodes are truncated and marked
   r.chunk_multiple = 16  # new-context chunks are padded to a multiple (bounds recompiles)
   r.seq_multiple = 64  # packed episodes are padded to a multiple (the length bucket unit)
+  # turn: each device call decodes a whole turn for every slot, then the envs step in turn;
+  # continuous: a slot whose turn ends leaves the batch, its env steps on a worker thread while
+  # the others decode, and its next chunk is inserted after the next call (long-tailed turns).
+  r.batching = "turn"
+  r.decode_steps = 8  # continuous: tokens per device call between slot refills
 
   rl = c.rl = ml_collections.ConfigDict()
   rl.num_groups = 8  # P: initial states (prompts) per step

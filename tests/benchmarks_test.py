@@ -69,3 +69,17 @@ def test_peers_benchmark_checks_parity_then_prints_the_table():
   assert "update step 1, 2 device(s): loss" in out.stdout
   for row in ("generate B32 +8", "reference B32 T288", "update B32 T288"):
     assert f"| {row}" in out.stdout
+
+
+@pytest.mark.slow
+def test_rollout_benchmark_prints_longtail_serving_and_config_tables():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [
+    sys.executable, "benchmarks/rollout.py", "--width", "64", "--layers", "1", "--slots", "4",
+    "--episodes", "6", "--max-new", "16", "--stop-p", "0.2", "--latencies", "0",
+    "--requests", "4", "--serve-tokens", "8", "--repeats", "1",
+  ]  # fmt: skip
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  for line in ("continuous / turn (tokens/s)", "| gRPC / direct |", "| continuous |"):
+    assert line in out.stdout, out.stdout

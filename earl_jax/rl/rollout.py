@@ -16,6 +16,7 @@ and marked, never crashes the batch.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -27,9 +28,11 @@ import numpy as np
 
 from earl_jax.env.base import Env
 from earl_jax.rl import batches
+from earl_jax.sampler import slots as slots_lib
 from earl_jax.types import ConfigError
 
 GenerateFn = Callable[..., tuple[Any, Any]]  # (cache, prompt, mask, positions, active, rng)
+BATCHING = ("turn", "continuous")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,8 @@ class RolloutConfig:
   max_context: int = 512  # token budget of one episode (prompt + every turn); truncated beyond
   chunk_multiple: int = 16  # new-context chunks are padded up to a multiple (bounds recompiles)
   seq_multiple: int = 64  # packed sequences are padded up to a multiple (the length bucket)
+  batching: str = "turn"  # turn (every row decodes until the slowest stops) | continuous
+  decode_steps: int = 8  # continuous: tokens decoded per device call between slot refills
 
   def __post_init__(self):
     for key in (
@@ -49,10 +54,13 @@ class RolloutConfig:
       "max_context",
       "chunk_multiple",
       "seq_multiple",
+      "decode_steps",
     ):
       value = getattr(self, key)
       if value < 1:
         raise ConfigError(key, value, "a positive int")
+    if self.batching not in BATCHING:
+      raise ConfigError("batching", self.batching, f"one of {list(BATCHING)}")
     if self.max_new_tokens >= self.max_context:
       raise ConfigError("max_new_tokens", self.max_new_tokens, f"< max_context={self.max_context}")
 
@@ -184,6 +192,139 @@ def run_rollout(
   return result, cache
 
 
+class SlotFns(Protocol):
+  """The continuous-batching programs (``sampler/slots.py``) with the rollout's weights bound."""
+
+  def prefill_insert(
+    self, state, slots_R, fresh_R, tokens_RxP, mask_RxP, positions_RxP, budget_R
+  ): ...
+
+  def generate(self, state) -> tuple[Any, Any]: ...
+
+
+def run_rollout_continuous(
+  fns: SlotFns,
+  state: Any,
+  envs: Sequence[Env],
+  fmt: TurnFormat,
+  episodes: Sequence[EpisodeSpec],
+  cfg: RolloutConfig,
+  rng: jax.Array,
+  *,
+  pad_id: int,
+  resize: Callable[[Any, int], Any] | None = None,
+) -> tuple[RolloutResult, Any]:
+  """``run_rollout`` with continuous batching: the same episodes, without waiting on slow rows.
+
+  Each device call decodes ``cfg.decode_steps`` tokens for every live slot. A slot whose turn
+  ends leaves the decode batch at once; its environment steps on a worker thread while the next
+  call decodes the other slots, and its next chunk (or the next episode's first prompt) is
+  prefilled and inserted right after that call. The schedule depends only on what was decoded and
+  what the environments answered, never on timing, so a rollout is reproducible.
+
+  Args are those of ``run_rollout``, except ``fns`` (the slot programs) and ``state`` (a
+  ``sampler.slots.SlotState`` with ``cfg.num_slots`` slots; ``resize`` applies to its cache).
+  Returns (RolloutResult, state).
+  """
+  if len(envs) != cfg.num_slots:
+    raise ValueError(f"need one env per slot: {len(envs)} envs for num_slots={cfg.num_slots}")
+  start, b = time.perf_counter(), cfg.num_slots
+  run = _Continuous(cfg, envs, fmt, episodes, pad_id, resize, state.cache.max_len)
+  state = state.replace(rng=rng)
+  with concurrent.futures.ThreadPoolExecutor(min(b, 8), thread_name_prefix="env") as pool:
+    while True:
+      state = run.insert_ready(fns, state)
+      if not run.live.any():
+        if not run.stepping:
+          break
+        run.collect()  # nothing left to decode: wait for the environments now
+        continue
+      state, out = fns.generate(state)
+      run.calls += 1
+      run.collect()  # the env steps of the last call ran while this one was dispatched
+      out, live, stopped = jax.device_get((out, state.live_B, state.stopped_B))
+      run.record(out, live, stopped, pool)
+  records = [run.done[i] for i in range(len(episodes))]
+  batch = _pack(records, cfg, pad_id)
+  seconds = time.perf_counter() - start
+  return RolloutResult(batch, [r.stats for r in records], seconds, run.generated, run.calls), state
+
+
+class _Continuous:
+  """Host bookkeeping of one continuous rollout: which episode owns which slot, the turn each slot
+  is decoding, the environment steps in flight and the slots ready to prefill."""
+
+  def __init__(self, cfg, envs, fmt, episodes, pad_id, resize, cache_len):
+    self.cfg, self.envs, self.fmt, self.pad_id, self.resize = cfg, envs, fmt, pad_id, resize
+    self.cache_len = cfg.cache_len() if resize is not None else cache_len
+    self.queue = collections.deque(enumerate(episodes))
+    self.slots: list[tuple[int, _Episode] | None] = [None] * cfg.num_slots
+    self.done: dict[int, _Episode] = {}
+    self.turn: list[tuple[list[int], list[float]]] = [([], []) for _ in self.slots]
+    self.live = np.zeros(cfg.num_slots, bool)
+    self.stopped = np.zeros(cfg.num_slots, bool)
+    self.stepping: dict[int, concurrent.futures.Future] = {}
+    self.generated = self.calls = 0
+    self.fresh = _fill_slots(self.slots, self.queue, envs, fmt, cfg, self.cache_len, self.done)
+    self.ready = self.fresh.copy()
+
+  def insert_ready(self, fns: SlotFns, state: Any) -> Any:
+    """Prefills every ready slot's pending chunk in one call and sets it decoding."""
+    ready = [i for i in np.flatnonzero(self.ready) if self.slots[i] is not None]
+    if ready:
+      if self.resize is not None:
+        state = state.replace(cache=_grown(state.cache, self.slots, self.cfg, self.resize))
+      eps = [self.slots[i][1] for i in ready]
+      chunk = slots_lib.host_chunk(
+        [e.pending for e in eps], [len(e.tokens) for e in eps], self.cfg.chunk_multiple, self.pad_id
+      )
+      r, n = chunk[0].shape[0], len(ready)
+      slot_ids = np.full(r, self.cfg.num_slots, np.int32)
+      slot_ids[:n] = ready
+      fresh = np.zeros(r, bool)
+      fresh[:n] = self.fresh[ready]
+      budget = np.full(r, self.cfg.max_new_tokens, np.int32)
+      state = fns.prefill_insert(state, slot_ids, fresh, *chunk, budget)
+      self.live[ready] = True
+    self.ready[:] = False
+    self.fresh[:] = False
+    return state
+
+  def record(self, out: Any, live: np.ndarray, stopped: np.ndarray, pool) -> None:
+    """Appends each live slot's new tokens; a slot whose turn ended steps its env on ``pool``."""
+    for i in np.flatnonzero(self.live):
+      valid = out.valid_BxN[i]
+      ids, logps = self.turn[i]
+      ids += [int(t) for t in out.tokens_BxN[i][valid]]
+      logps += [float(x) for x in out.logps_BxN[i][valid]]
+      self.generated += int(valid.sum())
+      if live[i]:
+        continue
+      self.live[i], self.stopped[i] = False, stopped[i]
+      _record_turn(self.slots[i][1], ids, logps)
+      self.stepping[i] = pool.submit(self.envs[i].step, self.fmt.action_text(ids))
+      self.turn[i] = ([], [])
+
+  def collect(self) -> None:
+    """The env steps in flight, applied in slot order; ended episodes free their slots for the
+    next queued ones."""
+    for i in sorted(self.stepping):
+      index, ep = self.slots[i]
+      finished = _after_step(ep, self.stepping.pop(i).result(), self.fmt, self.cfg, self.stopped[i])
+      if not finished and not _fits(ep, self.cfg, self.cache_len):
+        _finish(ep, "truncated", truncated=True)
+        finished = True
+      if finished:
+        self.done[index], self.slots[i] = ep, None
+      else:
+        self.ready[i] = True
+    reset = _fill_slots(
+      self.slots, self.queue, self.envs, self.fmt, self.cfg, self.cache_len, self.done
+    )
+    self.fresh |= reset
+    self.ready |= reset
+
+
 def _grown(cache: Any, slots, cfg: RolloutConfig, resize: Callable[[Any, int], Any]) -> Any:
   """``cache``, resized first if a busy row's context plus a full turn needs more slots."""
   need = max(len(s[1].tokens) + len(s[1].pending) + cfg.max_new_tokens for s in slots if s)
@@ -257,16 +398,25 @@ def _apply_turn(
   ep: _Episode, env: Env, fmt: TurnFormat, out: Any, i: int, cfg: RolloutConfig
 ) -> bool:
   """Records the prefilled chunk and the sampled turn, steps the env; True if the episode ended."""
+  n = int(out.lengths_B[i])
+  ids = [int(t) for t in out.tokens_BxN[i, :n]]
+  _record_turn(ep, ids, [float(x) for x in out.logps_BxN[i, :n]])
+  return _after_step(ep, env.step(fmt.action_text(ids)), fmt, cfg, bool(out.stopped_B[i]))
+
+
+def _record_turn(ep: _Episode, ids: list[int], logps: list[float]) -> None:
+  """Appends the prefilled chunk (no loss) and the sampled turn (loss, sampler log-probs)."""
   ep.tokens += ep.pending
   ep.loss_mask += [False] * len(ep.pending)
   ep.logps += [0.0] * len(ep.pending)
-  n = int(out.lengths_B[i])
-  ids = [int(t) for t in out.tokens_BxN[i, :n]]
   ep.tokens += ids
-  ep.loss_mask += [True] * n
-  ep.logps += [float(x) for x in out.logps_BxN[i, :n]]
+  ep.loss_mask += [True] * len(ids)
+  ep.logps += logps
   ep.stats.turns += 1
-  result = env.step(fmt.action_text(ids))
+
+
+def _after_step(ep: _Episode, result: Any, fmt: TurnFormat, cfg: RolloutConfig, stopped: bool):
+  """The env's answer to the turn just recorded; True if the episode ended."""
   ep.stats.reward += float(result.reward)
   ep.turn_rewards.append((len(ep.tokens) - 1, float(result.reward)))
   if result.info.get("legal") is False:
@@ -277,7 +427,7 @@ def _apply_turn(
   if ep.stats.turns >= cfg.max_turns:
     _finish(ep, "max_turns", truncated=True)
     return True
-  ep.pending = fmt.next(result.observation, bool(out.stopped_B[i]))
+  ep.pending = fmt.next(result.observation, stopped)
   return False
 
 

@@ -40,6 +40,7 @@ from earl_jax.parallel import selector as selector_lib
 from earl_jax.parallel.plan import ParallelPlan, StagePlan
 from earl_jax.rl import batches, preflight, programs, rollout, update
 from earl_jax.sampler import engine
+from earl_jax.sampler import slots as slots_lib
 from earl_jax.types import Stage
 
 
@@ -118,6 +119,7 @@ class StageResources:
     self._init_weights(setup.pretrained_dir)
     self._cache_need = cfg.rollout.seq_multiple  # slots the last training rollout's rows needed
     self.kv_cache = self._new_kv_cache(self._cache_need)
+    self._slot_cache: dict[engine.GenerationSpec, slots_lib.SlotPrograms] = {}
     self.selector = None
     if cfg.parallel.selector:
       budget = int(cfg.parallel.memory_budget_gib * 2**30) or None  # None: device.memory_stats()
@@ -223,26 +225,37 @@ class StageResources:
     evaluation: bool = False,
   ) -> rollout.RolloutResult:
     """Plays ``episodes`` on ``envs`` with ``params`` (from ``rollout_weights``)."""
-    generate = self._generate_fn(params, self.spec(evaluation=evaluation))
+    spec = self.spec(evaluation=evaluation)
     slots = self._slots(self.plans[Stage.ROLLOUT])
     # The cache starts at the bucket the last training rollout filled and grows when episodes
     # need more: decode attends over the context the episodes have, not the whole budget.
     cache = self._resize_kv_cache(self.kv_cache, self._cache_need)
-    result, self.kv_cache = rollout.run_rollout(
-      generate,
-      cache,
-      envs[:slots],
-      fmt,
-      episodes,
-      dataclasses.replace(self.cfg.rollout, num_slots=slots),
-      rng,
-      pad_id=self.tokenizer.pad_id,
-      resize=self._resize_kv_cache,
-    )
+    rc = dataclasses.replace(self.cfg.rollout, num_slots=slots)
+    common = dict(pad_id=self.tokenizer.pad_id, resize=self._resize_kv_cache)
+    if rc.batching == "continuous":
+      programs = self._slot_programs(spec)
+      state = programs.new_state(cache, self.model_cfg.padded_vocab_size, rng)
+      fns = programs.bind(params)
+      result, state = rollout.run_rollout_continuous(
+        fns, state, envs[:slots], fmt, episodes, rc, rng, **common
+      )
+      self.kv_cache = state.cache
+    else:
+      generate = self._generate_fn(params, spec)
+      result, self.kv_cache = rollout.run_rollout(
+        generate, cache, envs[:slots], fmt, episodes, rc, rng, **common
+      )
     if not evaluation:
       longest = max(s.context_len for s in result.episodes)
       self._cache_need = longest + self.cfg.rollout.max_new_tokens
     return result
+
+  def _slot_programs(self, spec: engine.GenerationSpec) -> slots_lib.SlotPrograms:
+    """The continuous-batching programs of ``spec`` (jitted once; inputs carry the layout)."""
+    if spec not in self._slot_cache:
+      steps = min(self.cfg.rollout.decode_steps, self.cfg.rollout.max_new_tokens)
+      self._slot_cache[spec] = slots_lib.SlotPrograms(self.graphdef, spec, steps=steps)
+    return self._slot_cache[spec]
 
   def _generate_fn(self, params: nnx.State, spec: engine.GenerationSpec):
     plan = self.plans[Stage.ROLLOUT]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax.struct
 import jax
@@ -246,6 +247,27 @@ class SlotPrograms:
 
   def stop_len(self) -> int:
     return engine_lib.stop_table(self.spec)[1]
+
+  def new_state(self, cache: kv_lib.KVCache, vocab_size: int, rng: jax.Array) -> SlotState:
+    """Empty slots over ``cache`` for this spec's stop sequences."""
+    return init_state(cache, vocab_size, self.stop_len(), rng)
+
+  def bind(self, params: Any) -> Bound:
+    return Bound(self, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """``SlotPrograms`` with the weights bound: what the continuous rollout calls."""
+
+  programs: SlotPrograms
+  params: Any
+
+  def prefill_insert(self, state: SlotState, *args: Any) -> SlotState:
+    return self.programs.prefill_insert(self.params, state, *args)
+
+  def generate(self, state: SlotState) -> tuple[SlotState, Tokens]:
+    return self.programs.generate(self.params, state)
 
 
 def host_chunk(

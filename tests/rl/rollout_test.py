@@ -13,7 +13,8 @@ from earl_jax import env as env_lib
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
 from earl_jax.rl import reference, rollout, turn_format
-from earl_jax.sampler import engine, sampling
+from earl_jax.sampler import engine, sampling, slots
+from earl_jax.types import ConfigError
 
 TOK = model_lib.CharTokenizer()
 CFG = ModelConfig(
@@ -159,3 +160,62 @@ def test_rejects_mismatched_env_count(model):
   cfg = rollout.RolloutConfig(num_slots=2)
   with pytest.raises(ValueError, match="one env per slot"):
     rollout.run_rollout(None, None, [], None, [], cfg, jax.random.key(0), pad_id=0)
+
+
+def _play_continuous(model, cfg, episodes, game="connect_four", max_new=6, cache_len=0, steps=3):
+  """``_play`` (greedy) through the continuous-batching rollout."""
+  envs = [env_lib.make(game, parse_mode="lenient") for _ in range(cfg.num_slots)]
+  spec = engine.GenerationSpec.with_stop_ids(TOK.stop_ids, max_new_tokens=max_new)
+  graphdef, params = nnx.split(model)
+  programs = slots.SlotPrograms(graphdef, spec, steps=steps)
+  cache = model_lib.init_cache(CFG, cfg.num_slots, cache_len or cfg.cache_len())
+  state = programs.new_state(cache, CFG.padded_vocab_size, jax.random.key(0))
+  result, _ = rollout.run_rollout_continuous(
+    programs.bind(params),
+    state,
+    envs,
+    turn_format.PlainFormat(TOK),
+    episodes,
+    cfg,
+    jax.random.key(0),
+    pad_id=TOK.pad_id,
+  )
+  return result
+
+
+@pytest.mark.parametrize(
+  ("game", "max_new", "steps"), [("connect_four", 6, 3), ("tic_tac_toe", 9, 1)]
+)
+def test_continuous_rollout_plays_the_turn_rollouts_episodes_under_greedy(
+  model, game, max_new, steps
+):
+  """Same episodes, token for token, as the turn-synchronous rollout: slots refilled at other
+  times, prefills of other row counts, env steps on worker threads change nothing."""
+  cfg = rollout.RolloutConfig(num_slots=3, max_turns=5, max_new_tokens=max_new, max_context=256)
+  episodes = [rollout.EpisodeSpec(seed=s, group_id=s // 2) for s in range(7)]
+  turn, _ = _play(model, cfg, episodes, game=game, temperature=0, max_new=max_new)
+  cont = _play_continuous(model, cfg, episodes, game=game, max_new=max_new, steps=steps)
+  for key in ("tokens_BxT", "valid_BxT", "loss_mask_BxT", "token_rewards_BxT", "rewards_B"):
+    np.testing.assert_array_equal(getattr(cont.batch, key), getattr(turn.batch, key), err_msg=key)
+  np.testing.assert_allclose(cont.batch.sampler_logps_BxT, turn.batch.sampler_logps_BxT, atol=2e-5)
+  assert [e.outcome for e in cont.episodes] == [e.outcome for e in turn.episodes]
+  assert cont.generated_tokens == turn.generated_tokens
+
+
+def test_continuous_rollout_truncates_at_the_context_budget_like_the_turn_rollout(model):
+  cfg = rollout.RolloutConfig(num_slots=2, max_turns=30, max_new_tokens=6, max_context=120)
+  episodes = [rollout.EpisodeSpec(seed=s, group_id=s) for s in range(3)]
+  turn, _ = _play(model, cfg, episodes, game="connect_four", temperature=0)
+  cont = _play_continuous(model, cfg, episodes)
+  assert [(e.outcome, e.truncated, e.context_len) for e in cont.episodes] == [
+    (e.outcome, e.truncated, e.context_len) for e in turn.episodes
+  ]
+  assert any(e.truncated for e in cont.episodes)
+  np.testing.assert_array_equal(cont.batch.tokens_BxT, turn.batch.tokens_BxT)
+
+
+def test_rollout_config_names_the_batching_modes():
+  with pytest.raises(ConfigError, match=r"batching.*'async'.*\['turn', 'continuous'\]"):
+    rollout.RolloutConfig(batching="async")
+  with pytest.raises(ConfigError, match="decode_steps"):
+    rollout.RolloutConfig(decode_steps=0)
