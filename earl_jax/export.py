@@ -88,6 +88,13 @@ def _checkpoints(workdir: str) -> pathlib.Path:
   return directory
 
 
+def run_config(workdir: str, *, step: int | None = None) -> config_lib.ExperimentConfig:
+  """The config a training run saved with checkpoint ``step`` (default: the newest)."""
+  directory = _checkpoints(workdir)
+  with checkpoint.Checkpointer(directory, save_every=1, keep=10**9, async_save=False) as ckpt:
+    return config_lib.from_config_dict(ckpt.read_meta(_open_step(ckpt, directory, step))["config"])
+
+
 def load_policy(workdir: str, *, step: int | None = None) -> Policy:
   """The policy of ``workdir``'s checkpoint ``step`` (default: the newest), for serving."""
   directory = _checkpoints(workdir)

@@ -227,9 +227,17 @@ class GameEnvConfig:
 class GameEnv:
   """One episode at a time of ``spec``'s game; see the module docstring for the formats."""
 
-  def __init__(self, spec: GameSpec, config: GameEnvConfig | None = None):
+  def __init__(
+    self,
+    spec: GameSpec,
+    config: GameEnvConfig | None = None,
+    *,
+    opponent: opponents.Opponent | None = None,
+  ):
+    """``opponent``: plays the other side instead of ``config.opponent`` (e.g. a person)."""
     self.spec = spec
     self.config = config or GameEnvConfig()
+    self._fixed_opponent = opponent
     if self.config.observation is ObservationMode.COLUMNS and spec.columns is None:
       raise ConfigError(
         "observation", "columns", f"'compact', 'verbose' or 'moves' for {spec.openspiel_name}"
@@ -275,7 +283,7 @@ class GameEnv:
     else:
       self._me = 0 if cfg.model_side is Side.FIRST else 1
     self._chance_rng = base.derive_rng(seed, "chance")
-    self._opponent = opponents.make_opponent(
+    self._opponent = self._fixed_opponent or opponents.make_opponent(
       cfg.opponent,
       self._game,
       base.derive_rng(seed, "opponent"),

@@ -27,7 +27,6 @@ from jax.experimental import multihost_utils
 from earl_jax import checkpoint as checkpoint_lib
 from earl_jax import config_lib, preemption
 from earl_jax import metrics as metrics_lib
-from earl_jax import model as model_lib
 from earl_jax import workdir as workdir_lib
 from earl_jax.parallel import selector as selector_lib
 from earl_jax.parallel.plan import ParallelPlan
@@ -39,12 +38,6 @@ _ENV_SEED_STRIDE = 1_000_003  # env seeds of different config seeds never collid
 # SIGTERM (schedulers, preemption) and Ctrl-C stop at the end of the step, after saving it.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _EVAL_SEED_BASE = 10**9  # evaluation episodes use a fixed, disjoint seed range
-
-
-def _turn_format(tokenizer: model_lib.Tokenizer):
-  if isinstance(tokenizer, model_lib.CharTokenizer):
-    return turn_format.PlainFormat(tokenizer)
-  return turn_format.ChatTemplateFormat(tokenizer)
 
 
 class Trainer:
@@ -89,7 +82,7 @@ class Trainer:
         self.setup.model_cfg.param_dtype.value,
         self.setup.model_cfg.compute_dtype.value,
       )
-    self.fmt = _turn_format(self.setup.tokenizer)
+    self.fmt = turn_format.for_tokenizer(self.setup.tokenizer)
     self.stages = stages_lib.StageResources(cfg, self.setup, self.workdir)
     self.start_step = 0
     self._context_length = cfg.rollout.seq_multiple

@@ -45,6 +45,13 @@ class PlainFormat:
     return _action_text(self.tokenizer, ids, self.stop_ids)
 
 
+def for_tokenizer(tokenizer: Tokenizer) -> PlainFormat | ChatTemplateFormat:
+  """The format a policy with ``tokenizer`` is trained (and played) with."""
+  if isinstance(tokenizer, CharTokenizer):
+    return PlainFormat(tokenizer)
+  return ChatTemplateFormat(tokenizer)
+
+
 def _action_text(tokenizer: Tokenizer, ids: Sequence[int], stop_ids: Sequence[int]) -> str:
   """The text the environment sees. Ids past the tokenizer's vocabulary (a checkpoint's embedding
   table is often larger, e.g. Qwen2.5's 151936 rows for 151665 tokens) carry no text."""

@@ -2,3 +2,8 @@
 
 Requires ``pip install -e ".[serve]"``.
 """
+
+import os
+
+# JetStream imports tensorflow (through seqio), which logs its start-up to stderr by default.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

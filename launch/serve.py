@@ -1,0 +1,97 @@
+r"""Serve a trained policy (or a Hugging Face checkpoint) through JetStream on localhost.
+
+  python launch/serve.py --workdir runs/connect_four_tiny [--port 9000] [--step N]
+  python launch/serve.py --pretrained DIR [--port 9000]
+
+Starts JetStream's orchestrator (continuous batching over --slots decode slots) and its gRPC
+``Orchestrator`` service (``Decode`` with text or token content, ``HealthCheck``). A workdir's
+policy decodes with the run's evaluation sampler (greedy by default), prompts up to the run's
+rollout.max_context and replies up to rollout.max_new_tokens; --max-prefill / --max-decode change
+that. Play against it with ``python launch/play.py --server localhost:9000 --workdir W``.
+Ctrl-C stops the server. Needs the serve extra: pip install -e ".[serve]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import signal
+import sys
+import threading
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+
+def _engine_config(args, run_cfg):
+  from earl_jax.serve import engine
+
+  if run_cfg is not None:
+    fits = [n for n in engine.PREFILL_LENGTHS if n >= run_cfg.rollout.max_context]
+    prefill = args.max_prefill or (fits[0] if fits else engine.PREFILL_LENGTHS[-1])
+    decode = args.max_decode or run_cfg.rollout.max_new_tokens
+    strategy = run_cfg.sampler.make(evaluation=True)
+  else:
+    prefill, decode, strategy = args.max_prefill or 1024, args.max_decode or 256, None
+  kwargs = {"strategy": strategy} if strategy is not None else {}
+  return engine.EngineConfig(
+    num_slots=args.slots, max_prefill_length=prefill, max_decode_length=decode, **kwargs
+  )
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  source = p.add_mutually_exclusive_group(required=True)
+  source.add_argument("--workdir", help="a training run's workdir (its newest checkpoint)")
+  source.add_argument("--pretrained", help="a Hugging Face checkpoint directory")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+  p.add_argument("--port", type=int, default=9000, help="gRPC port on localhost (0: any free)")
+  p.add_argument("--slots", type=int, default=8, help="concurrent decodes")
+  p.add_argument("--max-prefill", type=int, default=0, help="longest prompt (a power of 2, >=16)")
+  p.add_argument("--max-decode", type=int, default=0, help="longest reply in tokens")
+  args = p.parse_args(argv)
+
+  try:
+    from earl_jax import checkpoint, config_lib, export
+    from earl_jax.model import CheckpointError
+    from earl_jax.serve import engine, server
+  except ImportError as e:
+    print(
+      f"earl_jax: serving needs the serve extra ({e}): pip install -e '.[serve]'", file=sys.stderr
+    )
+    return 1
+  try:
+    if args.workdir:
+      run_cfg = export.run_config(args.workdir, step=args.step)
+      eng = engine.Engine.from_workdir(args.workdir, _engine_config(args, run_cfg), step=args.step)
+    else:
+      eng = engine.Engine.from_pretrained(args.pretrained, _engine_config(args, None))
+    srv = server.Server(eng, port=args.port)
+  except (
+    FileNotFoundError,
+    ValueError,
+    OSError,
+    CheckpointError,
+    checkpoint.CheckpointError,
+    config_lib.ConfigError,
+  ) as e:
+    print(f"earl_jax: {' '.join(str(e).split())}", file=sys.stderr)
+    return 1
+  c = eng.config
+  print(f"serving {eng.description} ({eng.model_cfg.num_params:,} parameters) on {srv.address}")
+  print(
+    f"JetStream Orchestrator service (Decode, HealthCheck); {c.num_slots} slots, prompts up to "
+    f"{c.max_prefill_length} tokens, replies up to {c.max_decode_length}; Ctrl-C stops",
+    flush=True,
+  )
+  stop = threading.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: stop.set())
+  while not stop.wait(0.5):
+    pass
+  srv.stop()
+  print("server stopped")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
