@@ -132,3 +132,41 @@ def test_malformed_requests_get_invalid_argument_and_the_server_keeps_serving(
   assert re.search(message, e.value.details())
   _, got = serve_server.decode(server.address, text=PROMPTS[1], max_tokens=MAX_NEW)
   assert got == _turn_engine_replies(engine, PROMPTS[1:2])[0]
+
+
+def test_a_pretrained_checkpoint_serves_what_transformers_generates(tmp_path):
+  """Engine.from_pretrained on a tiny local Qwen2 checkpoint (its tokenizer and chat template):
+  greedy replies equal transformers' greedy generate."""
+  import torch
+  import transformers
+
+  from tests.colab_test import _tiny_qwen_checkpoint
+
+  directory = _tiny_qwen_checkpoint(tmp_path / "qwen")
+  config = serve_engine.EngineConfig(num_slots=2, max_prefill_length=64, max_decode_length=10)
+  eng = serve_engine.Engine.from_pretrained(directory, config)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+  stops = list(eng.tokenizer.stop_ids)
+  for text in ("You play column 3.", "Connect Four"):
+    ids = eng.tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+    with torch.no_grad():
+      out = hf.generate(
+        torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=stops,
+        pad_token_id=eng.tokenizer.pad_id,
+      )  # fmt: skip
+    want = [t for t in out[0, len(ids) :].tolist() if t not in stops]
+    params, state = eng.load_params(), eng.init_decode_state()
+    padded = np.zeros(64, np.int32)
+    padded[: len(ids)] = ids
+    state = eng.insert(
+      eng.prefill(params=params, padded_tokens=padded, true_length=len(ids)), state, 1
+    )
+    got = []
+    for _ in range(10):
+      state, result = eng.generate(params, state)
+      data = result.convert_to_numpy().get_result_at_slot(1)
+      t = int(data.tokens[0, 0])
+      if not data.valid[0, 0] or t in stops:
+        break
+      got.append(t)
+    assert got == want, text
