@@ -120,3 +120,16 @@ def test_imports_hold_transitively_in_a_fresh_interpreter():
     if wrong:
       bad[root] = wrong
   assert not bad, bad
+
+
+def test_training_never_loads_jetstream_or_tensorflow():
+  """Serving is an extra: the trainer runs on the main install (JetStream pulls tensorflow)."""
+  probe = (
+    "import sys, earl_jax.rl.loop, earl_jax.sampler.slots; "
+    "print(sorted({m.split('.')[0] for m in sys.modules} & {'jetstream', 'tensorflow', 'seqio'}))"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                       cwd=PKG.parent, timeout=300)  # fmt: skip
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "[]"

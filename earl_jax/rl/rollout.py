@@ -28,7 +28,6 @@ import numpy as np
 
 from earl_jax.env.base import Env
 from earl_jax.rl import batches
-from earl_jax.sampler import slots as slots_lib
 from earl_jax.types import ConfigError
 
 GenerateFn = Callable[..., tuple[Any, Any]]  # (cache, prompt, mask, positions, active, rng)
@@ -274,11 +273,9 @@ class _Continuous:
     if ready:
       if self.resize is not None:
         state = state.replace(cache=_grown(state.cache, self.slots, self.cfg, self.resize))
-      eps = [self.slots[i][1] for i in ready]
-      chunk = slots_lib.host_chunk(
-        [e.pending for e in eps], [len(e.tokens) for e in eps], self.cfg.chunk_multiple, self.pad_id
-      )
-      r, n = chunk[0].shape[0], len(ready)
+      n = len(ready)
+      r = 1 << (n - 1).bit_length()  # rows rounded up to a power of two: few prefill shapes
+      chunk = _chunk_rows([self.slots[i][1] for i in ready], r, self.cfg, self.pad_id)
       slot_ids = np.full(r, self.cfg.num_slots, np.int32)
       slot_ids[:n] = ready
       fresh = np.zeros(r, bool)
@@ -374,24 +371,29 @@ def _fits(ep: _Episode, cfg: RolloutConfig, cache_len: int) -> bool:
 
 
 def _chunk_arrays(slots, cfg: RolloutConfig, pad_id: int):
-  b = len(slots)
-  width = max(len(s[1].pending) for s in slots if s is not None)
+  eps = [None if s is None else s[1] for s in slots]
+  prompt, mask, positions = _chunk_rows(eps, len(slots), cfg, pad_id)
+  active = np.asarray([e is not None for e in eps])
+  # Host arrays: the generate callable puts them straight into its input shardings.
+  return prompt, mask, positions, active
+
+
+def _chunk_rows(eps: Sequence[_Episode | None], rows: int, cfg: RolloutConfig, pad_id: int):
+  """[rows, P] right-padded pending chunks (P a multiple of ``cfg.chunk_multiple``), their mask
+  and RoPE positions (continuing each episode's tokens); None and missing rows are padding."""
+  width = max(len(e.pending) for e in eps if e is not None)
   p = round_up(width, cfg.chunk_multiple)
-  prompt = np.full((b, p), pad_id, np.int32)
-  mask = np.zeros((b, p), bool)
-  positions = np.zeros((b, p), np.int32)
-  active = np.zeros((b,), bool)
-  for i, slot in enumerate(slots):
-    if slot is None:
+  prompt = np.full((rows, p), pad_id, np.int32)
+  mask = np.zeros((rows, p), bool)
+  positions = np.zeros((rows, p), np.int32)
+  for i, ep in enumerate(eps):
+    if ep is None:
       continue
-    ep = slot[1]
     n = len(ep.pending)
     prompt[i, :n] = ep.pending
     mask[i, :n] = True
     positions[i, :n] = np.arange(len(ep.tokens), len(ep.tokens) + n)
-    active[i] = True
-  # Host arrays: the generate callable puts them straight into its input shardings.
-  return prompt, mask, positions, active
+  return prompt, mask, positions
 
 
 def _apply_turn(

@@ -24,7 +24,6 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from earl_jax.model import kv_cache as kv_lib
@@ -209,11 +208,6 @@ def generate(
   return state, out
 
 
-def bucket(n: int) -> int:
-  """Rows of a prefill call, rounded up to a power of two (bounds recompiles)."""
-  return 1 << max(0, int(n - 1).bit_length())
-
-
 @dataclasses.dataclass
 class SlotPrograms:
   """The jitted slot functions for one model (graphdef) and one generation spec.
@@ -268,21 +262,3 @@ class Bound:
 
   def generate(self, state: SlotState) -> tuple[SlotState, Tokens]:
     return self.programs.generate(self.params, state)
-
-
-def host_chunk(
-  chunks: list[list[int]], starts: list[int], width_multiple: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Right-padded [R, P] tokens, mask and positions of new chunks (row r continues at
-  ``starts[r]``); R is rounded up to a power of two, P to ``width_multiple``."""
-  r = bucket(len(chunks))
-  p = max(len(c) for c in chunks)
-  p = -(-p // width_multiple) * width_multiple
-  tokens = np.full((r, p), pad_id, np.int32)
-  mask = np.zeros((r, p), bool)
-  positions = np.zeros((r, p), np.int32)
-  for i, (chunk, start) in enumerate(zip(chunks, starts, strict=True)):
-    tokens[i, : len(chunk)] = chunk
-    mask[i, : len(chunk)] = True
-    positions[i, : len(chunk)] = np.arange(start, start + len(chunk))
-  return tokens, mask, positions

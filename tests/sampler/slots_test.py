@@ -18,6 +18,21 @@ CFG = ModelConfig(
 STOP = 7
 
 
+def chunk(rows: list[list[int]], starts: list[int], multiple: int, pad_id: int):
+  """Right-padded [R, P] tokens, mask and positions of new chunks (row r continues at
+  ``starts[r]``); R rounded up to a power of two as the continuous rollout does, P to
+  ``multiple``."""
+  r = 1 << (len(rows) - 1).bit_length()
+  p = -(-max(len(c) for c in rows) // multiple) * multiple
+  tokens = np.full((r, p), pad_id, np.int32)
+  mask = np.zeros((r, p), bool)
+  positions = np.zeros((r, p), np.int32)
+  for i, (c, start) in enumerate(zip(rows, starts, strict=True)):
+    tokens[i, : len(c)], mask[i, : len(c)] = c, True
+    positions[i, : len(c)] = np.arange(start, start + len(c))
+  return tokens, mask, positions
+
+
 @pytest.fixture(scope="module")
 def split():
   return nnx.split(model_lib.Decoder(CFG, rngs=nnx.Rngs(0)))
@@ -26,7 +41,7 @@ def split():
 def _turn_engine(split, spec, prompts, cache_len=64):
   """The turn-synchronous engine's output for ``prompts`` (a reference)."""
   graphdef, params = split
-  tokens, mask, positions = slots.host_chunk(prompts, [0] * len(prompts), 8, 0)
+  tokens, mask, positions = chunk(prompts, [0] * len(prompts), 8, 0)
   b = tokens.shape[0]
   fn = engine.make_generate_fn(graphdef, spec)
   active = np.arange(b) < len(prompts)
@@ -51,7 +66,7 @@ def _slot_run(progs, params, prompts, *, num_slots, budget, cache_len=64, order=
     free = [s for s in range(num_slots) if s not in owner][: len(queue)]
     if free:
       new = [queue.pop(0) for _ in free]
-      tokens, mask, positions = slots.host_chunk([prompts[i] for i in new], [0] * len(new), 8, 0)
+      tokens, mask, positions = chunk([prompts[i] for i in new], [0] * len(new), 8, 0)
       r = tokens.shape[0]
       slot_ids = np.full(r, num_slots, np.int32)
       slot_ids[: len(free)] = free
@@ -95,12 +110,12 @@ def test_a_turn_continues_from_its_existing_prefix_like_the_turn_engine(split):
   state = slots.init_state(
     model_lib.init_cache(CFG, 2, 32), CFG.padded_vocab_size, progs.stop_len(), jax.random.key(0)
   )
-  tok, mask, pos = slots.host_chunk([first], [0], 8, 0)
+  tok, mask, pos = chunk([first], [0], 8, 0)
   state = progs.prefill_insert(params, state, np.array([1]), np.array([True]), tok, mask, pos,
                                np.array([4]))  # fmt: skip
   state, out = progs.generate(params, state)
   turn1 = [int(t) for t in np.asarray(out.tokens_BxN[1])]
-  tok, mask, pos = slots.host_chunk([second], [len(first) + 4], 8, 0)
+  tok, mask, pos = chunk([second], [len(first) + 4], 8, 0)
   state = progs.prefill_insert(params, state, np.array([1]), np.array([False]), tok, mask, pos,
                                np.array([4]))  # fmt: skip
   state, out = progs.generate(params, state)
@@ -116,7 +131,7 @@ def test_a_slot_whose_cache_row_is_full_ends_its_turn(split):
   state = slots.init_state(
     model_lib.init_cache(CFG, 1, 12), CFG.padded_vocab_size, progs.stop_len(), jax.random.key(0)
   )
-  tok, mask, pos = slots.host_chunk([[1, 2, 3, 4, 5]], [0], 8, 0)
+  tok, mask, pos = chunk([[1, 2, 3, 4, 5]], [0], 8, 0)
   state = progs.prefill_insert(params, state, np.array([0]), np.array([True]), tok, mask, pos,
                                np.array([50]))  # fmt: skip
   state, out = progs.generate(params, state)
@@ -130,7 +145,7 @@ def test_insert_and_generate_leave_other_slots_untouched(split):
   state = slots.init_state(
     model_lib.init_cache(CFG, 3, 16), CFG.padded_vocab_size, progs.stop_len(), jax.random.key(0)
   )
-  tok, mask, pos = slots.host_chunk([[4, 5]], [0], 8, 0)
+  tok, mask, pos = chunk([[4, 5]], [0], 8, 0)
   state = progs.prefill_insert(params, state, np.array([2]), np.array([True]), tok, mask, pos,
                                np.array([3]))  # fmt: skip
   before = jax.device_get(state.cache)

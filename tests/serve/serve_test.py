@@ -15,9 +15,9 @@ from flax import nnx
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
 from earl_jax.sampler import engine as turn_engine
-from earl_jax.sampler import slots
 from earl_jax.serve import engine as serve_engine
 from earl_jax.serve import server as serve_server
+from tests.sampler.slots_test import chunk
 
 CFG = ModelConfig(
   vocab_size=105, embed_dim=32, mlp_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -38,7 +38,7 @@ def _turn_engine_replies(engine, prompts: list[str]) -> list[list[int]]:
   """The rollout's (turn-synchronous) engine, greedy, on the same prompts: reply ids, stop
   token excluded (JetStream does not return it)."""
   ids = [TOK.encode(p) for p in prompts]
-  tokens, mask, positions = slots.host_chunk(ids, [0] * len(ids), 8, TOK.pad_id)
+  tokens, mask, positions = chunk(ids, [0] * len(ids), 8, TOK.pad_id)
   spec = turn_engine.GenerationSpec.with_stop_ids(
     TOK.stop_ids, max_new_tokens=MAX_NEW, pad_id=TOK.pad_id
   )
