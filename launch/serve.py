@@ -7,7 +7,8 @@ Starts JetStream's orchestrator (continuous batching over --slots decode slots) 
 ``Orchestrator`` service (``Decode`` with text or token content, ``HealthCheck``). A workdir's
 policy decodes with the run's evaluation sampler (greedy by default), prompts up to the run's
 rollout.max_context and replies up to rollout.max_new_tokens; --max-prefill / --max-decode change
-that. Play against it with ``python launch/play.py --server localhost:9000 --workdir W``.
+that; --data/--fsdp/--tensor lay the policy and the slots out on that many devices. Play
+against it with ``python launch/play.py --server localhost:9000 --workdir W``.
 Ctrl-C stops the server. Needs the serve extra: pip install -e ".[serve]".
 """
 
@@ -38,6 +39,24 @@ def _engine_config(args, run_cfg):
   )
 
 
+def _plan(args):
+  """The serving layout over the first data x fsdp x tensor devices (None: one device)."""
+  import jax
+
+  from earl_jax.parallel.plan import make_stage_plan
+  from earl_jax.types import Stage
+
+  n = args.data * args.fsdp * args.tensor
+  if n == 1:
+    return None
+  if n > jax.device_count():
+    raise ValueError(
+      f"--data {args.data} x --fsdp {args.fsdp} x --tensor {args.tensor} = {n} devices; "
+      f"this machine has {jax.device_count()}"
+    )
+  return make_stage_plan(Stage.ROLLOUT, range(n), args.data, args.fsdp, args.tensor)
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   source = p.add_mutually_exclusive_group(required=True)
@@ -48,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--slots", type=int, default=8, help="concurrent decodes")
   p.add_argument("--max-prefill", type=int, default=0, help="longest prompt (a power of 2, >=16)")
   p.add_argument("--max-decode", type=int, default=0, help="longest reply in tokens")
+  for axis in ("data", "fsdp", "tensor"):
+    p.add_argument(f"--{axis}", type=int, default=1, help=f"layout: {axis} parallel size")
   args = p.parse_args(argv)
 
   try:
@@ -60,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     return 1
   try:
+    plan = _plan(args)
     if args.workdir:
       run_cfg = export.run_config(args.workdir, step=args.step)
-      eng = engine.Engine.from_workdir(args.workdir, _engine_config(args, run_cfg), step=args.step)
+      config = _engine_config(args, run_cfg)
+      eng = engine.Engine.from_workdir(args.workdir, config, step=args.step, plan=plan)
     else:
-      eng = engine.Engine.from_pretrained(args.pretrained, _engine_config(args, None))
+      eng = engine.Engine.from_pretrained(args.pretrained, _engine_config(args, None), plan=plan)
     srv = server.Server(eng, port=args.port)
   except (
     FileNotFoundError,

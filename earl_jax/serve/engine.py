@@ -22,12 +22,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
+from earl_jax.parallel import executables
+from earl_jax.parallel import mesh as mesh_lib
+from earl_jax.parallel import plan as plan_lib
+from earl_jax.parallel.plan import StagePlan
 from earl_jax.sampler import engine as engine_lib
 from earl_jax.sampler import sampling, slots
+from earl_jax.types import BATCH
 
 # JetStream pads prefills to these lengths (``token_utils.pad_tokens``); max_prefill_length must
 # be one of them.
@@ -106,13 +112,21 @@ class Engine(engine_api.Engine):
     tokenizer: model_lib.Tokenizer,
     config: EngineConfig | None = None,
     *,
-    mesh: jax.sharding.Mesh | None = None,
+    plan: StagePlan | None = None,
     description: str = "",
   ):
+    """``plan``: the layout to serve on (parameters and decode slots sharded as a rollout plan
+    shards them; slots over its batch axes); None: the first device."""
     self.config = config or EngineConfig()
     self.model_cfg, self.tokenizer, self.description = model_cfg, tokenizer, description
-    self._params = params
-    self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    self.plan = plan
+    if plan is None:
+      self._params = params
+      self._mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    else:
+      plan_lib.validate_for_model(plan, model_cfg, self.config.num_slots)
+      self._params = jax.device_put(params, mesh_lib.state_shardings(params, plan))
+      self._mesh = mesh_lib.build_mesh(plan)
     self.spec = engine_lib.GenerationSpec.with_stop_ids(
       tuple(tokenizer.stop_ids),
       strategy=self.config.strategy,
@@ -125,7 +139,9 @@ class Engine(engine_api.Engine):
   # --- construction -------------------------------------------------------------------------
 
   @classmethod
-  def from_workdir(cls, workdir: str, config: EngineConfig | None = None, *, step=None) -> Engine:
+  def from_workdir(
+    cls, workdir: str, config: EngineConfig | None = None, *, step=None, plan=None
+  ) -> Engine:
     """The policy of a training run's checkpoint ``step`` (default: the newest)."""
     from earl_jax import export  # the checkpoint reader; imported here to keep serving light
 
@@ -135,18 +151,24 @@ class Engine(engine_api.Engine):
     )
     tokenizer = model_lib.make_tokenizer(policy.config.tokenizer)
     what = f"{workdir} step {policy.step}"
-    return cls(graphdef, policy.params, policy.model_cfg, tokenizer, config, description=what)
+    return cls(
+      graphdef, policy.params, policy.model_cfg, tokenizer, config, plan=plan, description=what
+    )
 
   @classmethod
-  def from_pretrained(cls, path: str, config: EngineConfig | None = None) -> Engine:
-    """A Hugging Face checkpoint directory (config.json, safetensors, tokenizer files)."""
+  def from_pretrained(cls, path: str, config: EngineConfig | None = None, *, plan=None) -> Engine:
+    """A Hugging Face checkpoint directory (config.json, safetensors, tokenizer files); with a
+    plan, each device reads only its block of every tensor."""
     from earl_jax.model import hf_import
 
     model_cfg, ckpt_dir = hf_import.read_config(path)
-    model = hf_import.load_weights(ckpt_dir, model_cfg)
-    graphdef, params = nnx.split(model)
+    shardings = None
+    if plan is not None:
+      abstract = nnx.eval_shape(lambda: model_lib.Decoder(model_cfg, rngs=nnx.Rngs(0)))
+      shardings = mesh_lib.state_shardings(nnx.state(abstract), plan)
+    graphdef, params = nnx.split(hf_import.load_weights(ckpt_dir, model_cfg, shardings))
     tokenizer = model_lib.HFTokenizer.from_pretrained(ckpt_dir)
-    return cls(graphdef, params, model_cfg, tokenizer, config, description=ckpt_dir)
+    return cls(graphdef, params, model_cfg, tokenizer, config, plan=plan, description=ckpt_dir)
 
   # --- the Engine API -----------------------------------------------------------------------
 
@@ -163,7 +185,7 @@ class Engine(engine_api.Engine):
     if not 0 < true_length <= p:
       raise ValueError(f"true_length={true_length}; a prompt needs 1..{p} tokens")
     if existing_prefix is None:
-      existing = model_lib.init_cache(self.model_cfg, 1, self.config.cache_len)
+      existing = self._laid_out(model_lib.init_cache(self.model_cfg, 1, self.config.cache_len))
       start = 0
     else:
       existing, start = existing_prefix.cache, int(existing_prefix.pos_R[0])
@@ -204,9 +226,38 @@ class Engine(engine_api.Engine):
     del args, kwargs
     self._seed += 1
     cache = model_lib.init_cache(self.model_cfg, self.config.num_slots, self.config.cache_len)
-    return slots.init_state(
-      cache, self.model_cfg.padded_vocab_size, self.programs.stop_len(), jax.random.key(self._seed)
+    state = self.programs.new_state(
+      cache, self.model_cfg.padded_vocab_size, jax.random.key(self._seed)
     )
+    return self._laid_out(state)
+
+  def _laid_out(self, tree: Any) -> Any:
+    """A decode state or a one-row prefix cache on the plan: rows over the batch axes when
+    there are as many as the decode slots, else replicated; KV heads over the tensor axes."""
+    if self.plan is None:
+      return tree
+    plan, rows = self.plan, self.config.num_slots
+    axes = {model_lib.KVCache: model_lib.cache_partition_specs()}
+
+    def sharding(spec, x):
+      spec = tuple(spec)
+      if x.ndim and x.shape[0] != rows and spec and spec[0] == BATCH:
+        spec = (None, *spec[1:])
+      if len(spec) > 1 and spec[1] == BATCH and x.shape[1] != rows:
+        spec = (spec[0], None, *spec[2:])
+      return mesh_lib.logical_to_sharding(spec, x.shape, plan)
+
+    cache = tree.cache if isinstance(tree, slots.SlotState) else tree
+    laid = jax.device_put(cache, jax.tree.map(sharding, axes[model_lib.KVCache], cache,
+                                              is_leaf=lambda s: isinstance(s, P)))  # fmt: skip
+    if not isinstance(tree, slots.SlotState):
+      return laid
+    names = ("logits_BxV", "pos_B", "live_B", "count_B", "budget_B", "stopped_B", "hist_BxM")
+    rest = {
+      k: jax.device_put(getattr(tree, k), sharding((BATCH,), getattr(tree, k))) for k in names
+    }
+    return tree.replace(cache=laid, rng=jax.device_put(tree.rng, executables.replicated(plan)),
+                        **rest)  # fmt: skip
 
   @property
   def max_concurrent_decodes(self) -> int:

@@ -14,9 +14,11 @@ from flax import nnx
 
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
+from earl_jax.parallel.plan import ShardingError, make_stage_plan
 from earl_jax.sampler import engine as turn_engine
 from earl_jax.serve import engine as serve_engine
 from earl_jax.serve import server as serve_server
+from earl_jax.types import Stage
 from tests.sampler.slots_test import chunk
 
 CFG = ModelConfig(
@@ -86,6 +88,21 @@ def test_engine_api_greedy_equals_the_rollout_engines_greedy(engine):
   want = _turn_engine_replies(engine, PROMPTS)
   assert _engine_api_replies(engine, PROMPTS) == want
   assert any(want)  # the random model says something
+
+
+def test_an_engine_on_a_plan_serves_the_same_greedy_replies(engine):
+  """Parameters and decode slots laid out on (data 2, tensor 2): slots over data, KV heads and
+  projections over tensor; every array stays on the plan's four devices."""
+  plan = make_stage_plan(Stage.ROLLOUT, range(4), data=2, tensor=2)
+  graphdef, params = engine.programs.graphdef, engine.load_params()
+  sharded = serve_engine.Engine(graphdef, params, CFG, TOK, engine.config, plan=plan)
+  assert _engine_api_replies(sharded, PROMPTS) == _engine_api_replies(engine, PROMPTS)
+  state = sharded.init_decode_state()
+  assert state.cache.k.sharding.spec[1:3] == ("data", "tensor")
+  assert {d.id for d in state.pos_B.sharding.device_set} == {0, 1, 2, 3}
+  odd = serve_engine.EngineConfig(num_slots=3, max_prefill_length=32, max_decode_length=8)
+  with pytest.raises(ShardingError, match="does not divide"):
+    serve_engine.Engine(graphdef, params, CFG, TOK, odd, plan=plan)
 
 
 def test_prefill_checks_its_length(engine):
