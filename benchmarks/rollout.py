@@ -1,7 +1,7 @@
 """Rollout and serving throughput: continuous batching vs turn-synchronous, side by side.
 
   PYTHONPATH=. python benchmarks/rollout.py                      # all three parts
-  PYTHONPATH=. python benchmarks/rollout.py --parts longtail --slots 16 --episodes 64
+  PYTHONPATH=. python benchmarks/rollout.py --parts longtail --slots 16 --episodes 128
 
 (longtail) The long-tailed workload of ``benchmarks/longtail.py`` (replies of a few to hundreds of
   tokens, episodes of 1 to 12 turns) played by the same random-weight model with the same slot
@@ -211,10 +211,10 @@ def main() -> None:
   p.add_argument("--width", type=int, default=256)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--slots", type=int, default=16)
-  p.add_argument("--episodes", type=int, default=64)
+  p.add_argument("--episodes", type=int, default=128)
   p.add_argument("--max-new", type=int, default=256)
   p.add_argument("--stop-p", type=float, default=1 / 40)
-  p.add_argument("--decode-steps", type=int, default=8)
+  p.add_argument("--decode-steps", type=int, default=4)
   p.add_argument("--latencies", type=float, nargs="+", default=[0.0, 20.0])
   p.add_argument("--requests", type=int, default=48)
   p.add_argument("--serve-tokens", type=int, default=64)

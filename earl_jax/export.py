@@ -23,6 +23,7 @@ from earl_jax import checkpoint, config_lib
 from earl_jax import model as model_lib
 from earl_jax.model import hf_export, hf_import
 from earl_jax.model.config import ModelConfig, TokenizerKind
+from earl_jax.parallel import mesh as mesh_lib
 
 _PARAMS_PREFIX = ("train", "params")  # where the policy sits in the loop's checkpoint state
 
@@ -46,16 +47,20 @@ def _model_config(cfg: config_lib.ExperimentConfig) -> tuple[ModelConfig, dict[s
 
 
 def _policy_params(
-  ckpt: checkpoint.Checkpointer, step: int, model_cfg: ModelConfig
+  ckpt: checkpoint.Checkpointer, step: int, model_cfg: ModelConfig, shardings=None
 ) -> Iterator[tuple[tuple[Any, ...], jax.Array]]:
-  """(state path, parameter) of the policy at ``step``, each restored alone."""
+  """(state path, parameter) of the policy at ``step``, each restored alone, onto the first
+  local device or into ``shardings`` (a tree like the Decoder's state)."""
   abstract = nnx.state(nnx.eval_shape(lambda: model_lib.Decoder(model_cfg, rngs=nnx.Rngs(0))))
   flat = list(nnx.to_flat_state(abstract))
   keys = checkpoint.flat_names({_PARAMS_PREFIX[0]: {_PARAMS_PREFIX[1]: abstract}})
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  where = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
   for (path, var), key in zip(flat, keys, strict=True):
     value = var.get_value()
-    wanted = {key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=device)}
+    sharding = where.get(path, device)
+    sharding = getattr(sharding, "get_value", lambda s=sharding: s)()
+    wanted = {key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)}
     yield path, ckpt.restore_arrays(step, wanted)[key]
 
 
@@ -95,15 +100,17 @@ def run_config(workdir: str, *, step: int | None = None) -> config_lib.Experimen
     return config_lib.from_config_dict(ckpt.read_meta(_open_step(ckpt, directory, step))["config"])
 
 
-def load_policy(workdir: str, *, step: int | None = None) -> Policy:
-  """The policy of ``workdir``'s checkpoint ``step`` (default: the newest), for serving."""
+def load_policy(workdir: str, *, step: int | None = None, plan=None) -> Policy:
+  """The policy of ``workdir``'s checkpoint ``step`` (default: the newest), for serving: on the
+  first local device, or each parameter read straight into its sharding under ``plan``."""
   directory = _checkpoints(workdir)
   with checkpoint.Checkpointer(directory, save_every=1, keep=10**9, async_save=False) as ckpt:
     step = _open_step(ckpt, directory, step)
     cfg = config_lib.from_config_dict(ckpt.read_meta(step)["config"])
     model_cfg, _ = _model_config(cfg)
     abstract = nnx.state(nnx.eval_shape(lambda: model_lib.Decoder(model_cfg, rngs=nnx.Rngs(0))))
-    flat = dict(_policy_params(ckpt, step, model_cfg))
+    shardings = None if plan is None else mesh_lib.state_shardings(abstract, plan)
+    flat = dict(_policy_params(ckpt, step, model_cfg, shardings))
   params = nnx.from_flat_state(
     [(path, var.replace(flat[path])) for path, var in nnx.to_flat_state(abstract)]
   )

@@ -11,6 +11,13 @@ next assistant header) is prefilled after what the row already holds. ``num_slot
 concurrently; when one finishes, its slot is reset and the next waiting episode starts there, so
 the batch stays full. An episode that would run past its token budget or the cache is truncated
 and marked, never crashes the batch.
+
+Two schedules (``RolloutConfig.batching``): ``run_rollout`` (turn) decodes a whole turn of every
+slot per device call, until the slowest row stops, then steps the environments one after another;
+``run_rollout_continuous`` decodes a few tokens per call, lets a slot whose turn ended leave the
+batch, steps its environment on a worker thread while the others decode and inserts its next
+chunk after the next call (the prefill / insert / generate programs of ``sampler/slots.py``,
+passed in as ``SlotFns``). Under greedy decoding both play the same episodes.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ class RolloutConfig:
   chunk_multiple: int = 16  # new-context chunks are padded up to a multiple (bounds recompiles)
   seq_multiple: int = 64  # packed sequences are padded up to a multiple (the length bucket)
   batching: str = "turn"  # turn (every row decodes until the slowest stops) | continuous
-  decode_steps: int = 8  # continuous: tokens decoded per device call between slot refills
+  decode_steps: int = 4  # continuous: tokens decoded per device call between slot refills
 
   def __post_init__(self):
     for key in (

@@ -145,7 +145,7 @@ class Engine(engine_api.Engine):
     """The policy of a training run's checkpoint ``step`` (default: the newest)."""
     from earl_jax import export  # the checkpoint reader; imported here to keep serving light
 
-    policy = export.load_policy(workdir, step=step)
+    policy = export.load_policy(workdir, step=step, plan=plan)
     graphdef, _ = nnx.split(
       nnx.eval_shape(lambda: model_lib.Decoder(policy.model_cfg, rngs=nnx.Rngs(0)))
     )

@@ -25,6 +25,7 @@ def _play_module():
 def test_serve_a_workdir_and_play_a_game_against_it(tmp_path):
   cfg = tiny_config(num_steps=1, eval_every=0)
   loop.Trainer(cfg, tmp_path / "run").run()
+  _a_workdir_read_onto_a_plan_serves_the_same_replies(tmp_path / "run")
   cmd = [sys.executable, "launch/serve.py", f"--workdir={tmp_path / 'run'}", "--port=0"]
   server = subprocess.Popen(
     cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -51,6 +52,22 @@ def test_serve_a_workdir_and_play_a_game_against_it(tmp_path):
     out, err = server.communicate(timeout=60)
   assert server.returncode == 0, err[-2000:]
   assert "server stopped" in out
+
+
+def _a_workdir_read_onto_a_plan_serves_the_same_replies(workdir):
+  """Engine.from_workdir with a (fsdp 2, tensor 2) plan reads each parameter into its sharding
+  and replies as the single-device engine does."""
+  from earl_jax.parallel.plan import make_stage_plan
+  from earl_jax.serve import engine
+  from earl_jax.types import Stage
+  from tests.serve.serve_test import PROMPTS, _engine_api_replies
+
+  plan = make_stage_plan(Stage.ROLLOUT, range(4), fsdp=2, tensor=2)
+  config = engine.EngineConfig(num_slots=2, max_prefill_length=32, max_decode_length=12)
+  one = engine.Engine.from_workdir(str(workdir), config)
+  four = engine.Engine.from_workdir(str(workdir), config, plan=plan)
+  assert len(four.load_params()["embed"].value.sharding.device_set) == 4
+  assert _engine_api_replies(four, PROMPTS) == _engine_api_replies(one, PROMPTS)
 
 
 def test_serve_without_checkpoints_is_one_clear_line(tmp_path):
