@@ -66,7 +66,7 @@ def _a_workdir_read_onto_a_plan_serves_the_same_replies(workdir):
   config = engine.EngineConfig(num_slots=2, max_prefill_length=32, max_decode_length=12)
   one = engine.Engine.from_workdir(str(workdir), config)
   four = engine.Engine.from_workdir(str(workdir), config, plan=plan)
-  assert len(four.load_params()["embed"].value.sharding.device_set) == 4
+  assert len(four.load_params()["embed"].get_value().sharding.device_set) == 4
   assert _engine_api_replies(four, PROMPTS) == _engine_api_replies(one, PROMPTS)
 
 
