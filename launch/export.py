@@ -25,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors file")
   args = p.parse_args(argv)
 
-  from earl_jax import checkpoint, config_lib, export
-  from earl_jax.model import CheckpointError
+  from earl_jax import cli, export
 
   try:
     out = export.export_workdir(
@@ -36,15 +35,8 @@ def main(argv: list[str] | None = None) -> int:
       dtype=args.dtype,
       max_shard_bytes=int(args.max_shard_gib * 2**30),
     )
-  except (
-    FileNotFoundError,
-    ValueError,
-    CheckpointError,
-    checkpoint.CheckpointError,
-    config_lib.ConfigError,
-  ) as e:
-    print(f"earl_jax: {' '.join(str(e).split())}", file=sys.stderr)
-    return 1
+  except cli.USER_ERRORS as e:
+    return cli.fail(e)
   print(f"exported step {out.step} ({out.num_params:,} parameters, {args.dtype}) to {out.out_dir}")
   print(f"files: {', '.join(out.files)}")
   print(f"tokenizer: {out.tokenizer}")

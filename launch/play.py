@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     import grpc
 
-    from earl_jax import checkpoint, config_lib, export
+    from earl_jax import cli, config_lib, export
     from earl_jax.env import games
   except ImportError as e:
     print(
@@ -106,12 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nbye")
     return 0
   except grpc.RpcError as e:
-    print(f"earl_jax: the server at {args.server} answered {e.code().name}: {e.details()}",
-          file=sys.stderr)  # fmt: skip
-    return 1
-  except (FileNotFoundError, ValueError, checkpoint.CheckpointError, config_lib.ConfigError) as e:
-    print(f"earl_jax: {' '.join(str(e).split())}", file=sys.stderr)
-    return 1
+    return cli.fail(f"the server at {args.server} answered {e.code().name}: {e.details()}")
+  except cli.USER_ERRORS as e:
+    return cli.fail(e)
   return 0
 
 

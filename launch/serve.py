@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
 
   try:
-    from earl_jax import checkpoint, config_lib, export
-    from earl_jax.model import CheckpointError
+    from earl_jax import cli, export
     from earl_jax.serve import engine, server
   except ImportError as e:
     print(
@@ -89,16 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
       eng = engine.Engine.from_pretrained(args.pretrained, _engine_config(args, None), plan=plan)
     srv = server.Server(eng, port=args.port)
-  except (
-    FileNotFoundError,
-    ValueError,
-    OSError,
-    CheckpointError,
-    checkpoint.CheckpointError,
-    config_lib.ConfigError,
-  ) as e:
-    print(f"earl_jax: {' '.join(str(e).split())}", file=sys.stderr)
-    return 1
+  except cli.USER_ERRORS as e:
+    return cli.fail(e)
   c = eng.config
   print(f"serving {eng.description} ({eng.model_cfg.num_params:,} parameters) on {srv.address}")
   print(
