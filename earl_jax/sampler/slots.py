@@ -237,7 +237,6 @@ class SlotPrograms:
     self.insert = jax.jit(insert, donate_argnums=(1,))
     self.generate = jax.jit(_generate, donate_argnums=(1,))
     self.prefill_insert = jax.jit(_prefill_insert, donate_argnums=(1,))
-    self.rows = jax.jit(rows)
 
   def stop_len(self) -> int:
     return engine_lib.stop_table(self.spec)[1]

@@ -143,7 +143,7 @@ class Engine(engine_api.Engine):
     cls, workdir: str, config: EngineConfig | None = None, *, step=None, plan=None
   ) -> Engine:
     """The policy of a training run's checkpoint ``step`` (default: the newest)."""
-    from earl_jax import export  # the checkpoint reader; imported here to keep serving light
+    from earl_jax import export  # the checkpoint reader (a --pretrained server does without)
 
     policy = export.load_policy(workdir, step=step, plan=plan)
     graphdef, _ = nnx.split(
