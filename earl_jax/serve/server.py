@@ -111,15 +111,19 @@ class Server:
     jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
       Orchestrator(self.driver, engine), self._grpc
     )
-    self.port = self._grpc.add_insecure_port(f"{host}:{port}")
+    try:
+      self.port = self._grpc.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.60 raises where older versions returned 0
+      self.port = 0
     if self.port == 0:
       self.stop()
-      raise OSError(f"could not bind {host}:{port}")
+      raise OSError(f"could not bind {host}:{port}: is another server using that port?")
     self.address = f"{host}:{self.port}"
     self._run(self._grpc.start())
 
   async def _make_server(self):
-    return grpc.aio.server(self._executor)
+    # No SO_REUSEPORT: a second server on a port in use must fail, not share the port.
+    return grpc.aio.server(self._executor, options=[("grpc.so_reuseport", 0)])
 
   def _run(self, coro):
     return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

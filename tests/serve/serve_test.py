@@ -187,3 +187,9 @@ def test_a_pretrained_checkpoint_serves_what_transformers_generates(tmp_path):
         break
       got.append(t)
     assert got == want, text
+
+
+def test_a_second_server_on_a_port_in_use_fails_clearly(server, engine):
+  with pytest.raises(OSError, match=f"could not bind localhost:{server.port}"):
+    serve_server.Server(engine, port=server.port)
+  assert serve_server.health(server.address)  # the first one still serves
