@@ -133,26 +133,7 @@ def serving_part(args) -> None:
   prompts = _requests(args.requests, np.random.default_rng(0))
 
   def direct() -> int:
-    tok, state = eng.build_tokenizer(eng.get_tokenizer()), eng.init_decode_state()
-    queue, owner, produced = list(range(len(prompts))), {}, 0
-    while queue or owner:
-      for slot in range(eng.max_concurrent_decodes):
-        if slot not in owner and queue:
-          padded, n = tok.encode(prompts[queue[0]], max_prefill_length=eng.max_prefill_length)
-          state = eng.insert(eng.prefill(params=params, padded_tokens=padded, true_length=n),
-                             state, slot)  # fmt: skip
-          owner[slot] = [queue.pop(0), 0]
-      state, result = eng.generate(params, state)
-      result = result.convert_to_numpy()
-      for slot, entry in list(owner.items()):
-        data = result.get_result_at_slot(slot)
-        stop = int(data.tokens[0, 0]) in tok.stop_tokens or not bool(data.valid[0, 0])
-        if stop or entry[1] >= args.serve_tokens:
-          del owner[slot]
-        else:
-          entry[1] += 1
-          produced += 1
-    return produced
+    return sum(len(r) for r in eng.decode_all(prompts, args.serve_tokens))
 
   def grpc_run(address: str) -> int:
     with concurrent.futures.ThreadPoolExecutor(args.slots) as pool:

@@ -233,11 +233,10 @@ class StageResources:
     rc = dataclasses.replace(self.cfg.rollout, num_slots=slots)
     common = dict(pad_id=self.tokenizer.pad_id, resize=self._resize_kv_cache)
     if rc.batching == "continuous":
-      programs = self._slot_programs(spec)
-      state = programs.new_state(cache, self.model_cfg.padded_vocab_size, rng)
-      fns = programs.bind(params)
+      slot_programs = self._slot_programs(spec)
+      state = slot_programs.new_state(cache, self.model_cfg.padded_vocab_size, rng)
       result, state = rollout.run_rollout_continuous(
-        fns, state, envs[:slots], fmt, episodes, rc, rng, **common
+        slot_programs.bind(params), state, envs[:slots], fmt, episodes, rc, rng, **common
       )
       self.kv_cache = state.cache
     else:

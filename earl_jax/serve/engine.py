@@ -16,6 +16,7 @@ does not need.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -170,6 +171,38 @@ class Engine(engine_api.Engine):
     tokenizer = model_lib.HFTokenizer.from_pretrained(ckpt_dir)
     return cls(graphdef, params, model_cfg, tokenizer, config, plan=plan, description=ckpt_dir)
 
+  def decode_all(self, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    """Each prompt's reply ids (the stop token excluded, at most ``max_tokens``), with the Engine
+    API driven as JetStream's orchestrator drives it, in one thread and without gRPC: a free slot
+    takes the next prompt (prefill, insert) and each ``generate`` call decodes a token for every
+    slot. For tests and the direct-call serving benchmark."""
+    tok = self.build_tokenizer(self.get_tokenizer())
+    params, state = self.load_params(), self.init_decode_state()
+    queue, owner = list(range(len(prompts))), {}
+    replies: list[list[int]] = [[] for _ in prompts]
+    while queue or owner:
+      for slot in range(self.max_concurrent_decodes):
+        if slot not in owner and queue:
+          i = queue.pop(0)
+          padded, n = tok.encode(prompts[i], max_prefill_length=self.max_prefill_length)
+          if n > self.max_prefill_length:
+            raise ValueError(
+              f"prompt {i} has {n} tokens; this engine prefills at most {self.max_prefill_length}"
+            )
+          prefix = self.prefill(params=params, padded_tokens=padded, true_length=n)
+          state = self.insert(prefix, state, slot)
+          owner[slot] = i
+      state, result = self.generate(params, state)
+      result = result.convert_to_numpy()
+      for slot, i in list(owner.items()):
+        data = result.get_result_at_slot(slot)
+        t = int(data.tokens[0, 0])
+        if not data.valid[0, 0] or t in tok.stop_tokens or len(replies[i]) >= max_tokens:
+          del owner[slot]
+        else:
+          replies[i].append(t)
+    return replies
+
   # --- the Engine API -----------------------------------------------------------------------
 
   def prefill(
@@ -195,8 +228,9 @@ class Engine(engine_api.Engine):
     return self.programs.prefill(params, existing, tokens, mask, positions.astype(np.int32))
 
   def insert(self, prefix: slots.Prefix, decode_state: slots.SlotState, slot: int):
-    used = int(prefix.cache.end_B[0])
-    budget = np.asarray([self.config.cache_len - used], np.int32)
+    # Replies end at max_decode_length tokens, or earlier where a long existing prefix fills the
+    # cache row (generate ends a turn on a full row).
+    budget = np.asarray([self.config.max_decode_length], np.int32)
     return self.programs.insert(prefix, decode_state, np.asarray([slot], np.int32), budget)
 
   def generate(self, params: Any, decode_state: slots.SlotState):

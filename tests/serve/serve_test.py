@@ -58,30 +58,9 @@ def _turn_engine_replies(engine, prompts: list[str]) -> list[list[int]]:
 
 
 def _engine_api_replies(engine, prompts: list[str]) -> list[list[int]]:
-  """The Engine API driven as JetStream's orchestrator drives it: prefill each request, insert
-  into a free slot, generate one token per call for every slot; more requests than slots."""
-  tok = engine.build_tokenizer(engine.get_tokenizer())
-  params, state = engine.load_params(), engine.init_decode_state()
-  queue, owner, replies, done = list(range(len(prompts))), {}, {}, set()
-  while len(done) < len(prompts):
-    for slot in range(engine.max_concurrent_decodes):
-      if slot not in owner and queue:
-        i = queue.pop(0)
-        padded, true_length = tok.encode(prompts[i], max_prefill_length=engine.max_prefill_length)
-        prefix = engine.prefill(params=params, padded_tokens=padded, true_length=true_length)
-        state = engine.insert(prefix, state, slot)
-        owner[slot], replies[i] = i, []
-    state, result = engine.generate(params, state)
-    result = result.convert_to_numpy()
-    for slot, i in list(owner.items()):
-      data = result.get_result_at_slot(slot)
-      t, valid = int(data.tokens[0, 0]), bool(data.valid[0, 0])
-      if not valid or t in tok.stop_tokens or len(replies[i]) >= MAX_NEW:
-        done.add(i)
-        del owner[slot]
-      else:
-        replies[i].append(t)
-  return [replies[i] for i in range(len(prompts))]
+  """The Engine API driven as JetStream's orchestrator drives it (``Engine.decode_all``): more
+  requests than slots, one token per generate call."""
+  return engine.decode_all(prompts, MAX_NEW)
 
 
 def test_engine_api_greedy_equals_the_rollout_engines_greedy(engine):
@@ -105,9 +84,16 @@ def test_an_engine_on_a_plan_serves_the_same_greedy_replies(engine):
     serve_engine.Engine(graphdef, params, CFG, TOK, odd, plan=plan)
 
 
+def test_replies_end_at_max_decode_length(engine):
+  replies = engine.decode_all(PROMPTS, 1000)
+  assert max(len(r) for r in replies) == engine.config.max_decode_length  # 24
+
+
 def test_prefill_checks_its_length(engine):
   with pytest.raises(ValueError, match="true_length=0"):
     engine.prefill(params=engine.load_params(), padded_tokens=np.zeros(16, np.int32), true_length=0)
+  with pytest.raises(ValueError, match="prompt 0 has 40 tokens; this engine prefills at most 32"):
+    engine.decode_all(["x" * 40], 4)
   with pytest.raises(ValueError, match="max_prefill_length=100"):
     serve_engine.EngineConfig(max_prefill_length=100)
 
@@ -165,27 +151,16 @@ def test_a_pretrained_checkpoint_serves_what_transformers_generates(tmp_path):
   hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
   stops = list(eng.tokenizer.stop_ids)
   for text in ("You play column 3.", "Connect Four"):
-    ids = eng.tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+    messages = [{"role": "user", "content": text}]
+    ids = eng.tokenizer.encode_chat(messages, add_generation_prompt=True)
     with torch.no_grad():
       out = hf.generate(
         torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=stops,
         pad_token_id=eng.tokenizer.pad_id,
       )  # fmt: skip
     want = [t for t in out[0, len(ids) :].tolist() if t not in stops]
-    params, state = eng.load_params(), eng.init_decode_state()
-    padded = np.zeros(64, np.int32)
-    padded[: len(ids)] = ids
-    state = eng.insert(
-      eng.prefill(params=params, padded_tokens=padded, true_length=len(ids)), state, 1
-    )
-    got = []
-    for _ in range(10):
-      state, result = eng.generate(params, state)
-      data = result.convert_to_numpy().get_result_at_slot(1)
-      t = int(data.tokens[0, 0])
-      if not data.valid[0, 0] or t in stops:
-        break
-      got.append(t)
+    prompt = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    (got,) = eng.decode_all([prompt], 10)  # the text encodes to ``ids`` (encode_chat's definition)
     assert got == want, text
 
 
