@@ -18,10 +18,18 @@ Moves observation (``observation="moves"``; the shortest context, for the defaul
   o 3              only your symbol and the opponent's last move: the board is the history
 
 Columns observation (``observation="columns"``; Connect Four; the tiny default run's): the
-opponent's last move, then the board column by column (0-6), bottom up, the policy's pieces ``+``
-and the opponent's ``-``::
+opponent's last move, then the board column by column, each column's pieces bottom up (the
+policy's ``+``, the opponent's ``-``) followed by the column's number (0-6), or by ``x`` once the
+column is full::
 
-  3 |||-|||        the opponent opened in column 3: column 3 holds one of its pieces
+  3 012-3456       the opponent opened in column 3: column 3 holds one of its pieces
+  4 +012-3+-456    later: columns 0 and 4 hold a piece of ours; they just covered column 4's
+  2 01+-+-+-x3456  column 2 is full
+
+Each number closes its column, right after the column's top piece, and the numbers on the board
+are exactly the legal moves: the answer is a number the policy reads off the board (not one it
+counts separators or pieces for), and a causal model sees a column's pieces by the time it reads
+the column's number.
 
 The whole position fits in a few characters a turn and is seen from the policy's side, so the
 same reply is right whichever colour it plays.
@@ -139,8 +147,9 @@ def _connect_four_columns(state: pyspiel.State, player: int) -> str:
   cols = []
   for c in range(len(rows[0])):
     pieces = [row[c] for row in reversed(rows) if row[c] != "."]
-    cols.append("".join("+" if p == mine else "-" for p in pieces))
-  return "|".join(cols)
+    end = "x" if len(pieces) == len(rows) else str(c)
+    cols.append("".join("+" if p == mine else "-" for p in pieces) + end)
+  return "".join(cols)
 
 
 register_game(

@@ -225,16 +225,19 @@ def test_columns_observation_is_the_board_from_the_policys_side():
   env = env_lib.make(
     "connect_four", observation="columns", model_side="second", opponent="first_legal"
   )
-  assert env.reset(0) == "0 -||||||"  # first_legal opened in column 0
+  assert env.reset(0) == "0 -0123456"  # first_legal opened in column 0
   result = env.step("<move>3</move>")
-  assert result.observation == "0 --|||+|||"  # it plays 0 again; our piece sits in column 3
+  assert result.observation == "0 --012+3456"  # it plays 0 again; our piece sits in column 3
   assert env.step("<move>9</move>").observation == "invalid"  # the board shows what is legal
+  env.step("<move>0</move>")
+  # Column 0 is full (no four in it): it closes with x, not a legal number.
+  assert env.step("<move>0</move>").observation == "0 --+-+-x12+3456"
   # Playing first, the same position reads the same from the policy's side: + is always ours.
   first = env_lib.make(
     "connect_four", observation="columns", model_side="first", opponent="first_legal"
   )
-  assert first.reset(0) == "- ||||||"
-  assert first.step("<move>3</move>").observation == "0 -|||+|||"
+  assert first.reset(0) == "- 0123456"
+  assert first.step("<move>3</move>").observation == "0 -012+3456"
   with pytest.raises(ConfigError, match="observation"):
     env_lib.make("tic_tac_toe", observation="columns")
   with pytest.raises(ConfigError, match="observation"):
