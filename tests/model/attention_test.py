@@ -40,6 +40,8 @@ def _packed(t: int, lengths: tuple[int, ...], left: tuple[int, ...] = (0, 0, 0))
   ],
 )
 def test_chunked_matches_naive_forward_and_gradients(t, block, lengths, left):
+  # Blocks are sized evenly (40 with block 16: three of 14, the last key block read from 26 with
+  # its first two keys masked), so these cover uneven splits and the clamped last key block.
   q, k, v = _inputs(t, t, seed=t + block)
   slots, valid = _packed(t, lengths, left)
   cot = jnp.asarray(np.random.default_rng(7).normal(size=q.shape), jnp.float32)
@@ -95,6 +97,15 @@ def test_cache_slots_multi_turn_match_naive():
     q, k_cache, v_cache, jnp.asarray(slots), jnp.asarray(valid), implementation="naive", layer=layer
   )
   np.testing.assert_allclose(np.asarray(naive_cached), np.asarray(want), atol=1e-6, rtol=0)
+
+
+def test_blocks_are_the_fewest_and_even():
+  # Past the block size the work is split evenly, never one full block plus a padded sliver.
+  assert attention._split(576, 512) == (288, 2)
+  assert attention._split(512, 512) == (512, 1)
+  assert attention._split(100, 512) == (100, 1)
+  assert attention._split(40, 16) == (14, 3)
+  assert attention._split(1025, 512) == (342, 3)
 
 
 def test_decode_skips_unfilled_cache_blocks():
