@@ -33,7 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"  # master weights and Adam moments: float32 | bfloat16 (pure bf16)
   m.compute_dtype = "float32"  # matmul dtype: float32 | bfloat16 (softmax and norms stay float32)
   m.attention = "auto"  # auto | naive | chunked (O(T) memory) | cudnn (GPU) | splash (TPU)
-  m.attention_block = 512  # query/key block of the chunked and splash attention kernels
+  m.attention_block = 512  # max query/key block of the chunked (sized evenly) and splash kernels
   m.scan_layers = True  # scan the stacked blocks (compile time independent of depth)
   m.decode_layers = "auto"  # decode loop: scan | unrolled (weights sliced once per call) | auto
 
