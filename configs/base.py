@@ -87,6 +87,9 @@ def get_config() -> ml_collections.ConfigDict:
   s.top_k = 0  # top_k strategy: candidates kept
   s.top_p = 1.0  # top_p strategy: nucleus mass
   s.eval_strategy = "greedy"  # evaluation games: greedy | temperature | top_k | top_p
+  s.restrict_answers = False  # each answer is one token of the env's answer alphabet (a game's
+  # moves; env.game.parse_mode lenient, rollout.max_new_tokens 1); the loss scores the same
+  # restricted distribution. Legality is still the policy's to learn
 
   r = c.rollout = ml_collections.ConfigDict()
   r.num_slots = 8  # episodes decoded concurrently (rows of the rollout batch)

@@ -27,6 +27,7 @@ from earl_jax.env import baselines as baselines_env
 from earl_jax.env import calculator as calculator_env
 from earl_jax.env import games as games_env
 from earl_jax.env import opponents as opponents_env
+from earl_jax.env import parsing as parsing_env
 from earl_jax.env import registry as env_registry
 from earl_jax.model.config import (  # the model's config lives with the model
   ModelConfig,
@@ -93,6 +94,7 @@ class SamplerConfig:
   top_k: int = 0  # top_k strategy only
   top_p: float = 1.0  # top_p strategy only
   eval_strategy: str = "greedy"  # evaluation games: same choices
+  restrict_answers: bool = False  # decode each answer as one token of the env's answer alphabet
 
   def __post_init__(self):
     try:
@@ -103,11 +105,16 @@ class SamplerConfig:
       ) from None
     if self.eval_strategy not in ("greedy", "temperature", "top_k", "top_p"):
       raise ConfigError("eval_strategy", self.eval_strategy, "greedy | temperature | top_k | top_p")
+    _require(
+      isinstance(self.restrict_answers, bool), "restrict_answers", self.restrict_answers, "a bool"
+    )
 
-  def make(self, *, evaluation: bool = False) -> sampling.Strategy:
+  def make(self, *, evaluation: bool = False, answer_ids: tuple[int, ...] = ()):
+    """The strategy of training rollouts (or of evaluation games), restricted to ``answer_ids``
+    when given (``RunSetup.answer_ids``: non-empty exactly when ``restrict_answers``)."""
     name = self.eval_strategy if evaluation else self.strategy
     return sampling.make_strategy(
-      name, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
+      name, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, allowed=answer_ids
     )
 
 
@@ -307,6 +314,25 @@ class ExperimentConfig:
       self.train.baselines,
       "() with env.name 'calculator' (baselines are scripted game players)",
     )
+    if self.sampler.restrict_answers:
+      _require(
+        self.env.name != env_registry.CALCULATOR,
+        "sampler.restrict_answers",
+        True,
+        "False with env.name 'calculator' (its answers are free text, not one token)",
+      )
+      _require(
+        self.env.game.parse_mode is parsing_env.ParseMode.LENIENT,
+        "env.game.parse_mode",
+        self.env.game.parse_mode.value,
+        "'lenient' with sampler.restrict_answers (the answer is the bare move, one token)",
+      )
+      _require(
+        self.rollout.max_new_tokens == 1,
+        "rollout.max_new_tokens",
+        self.rollout.max_new_tokens,
+        "1 with sampler.restrict_answers (each answer is exactly one token)",
+      )
     _require(
       self.rollout.max_context <= self.model.max_seq_len,
       "rollout.max_context",

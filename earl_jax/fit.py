@@ -147,6 +147,7 @@ class FitCheck:
 
     rc = self.cfg.rollout
     if stage is Stage.ROLLOUT:
+      # A restricted-answer run's decode differs by one mask over the vocabulary: same memory.
       spec = engine.GenerationSpec.with_stop_ids(
         (0,), strategy=self.cfg.sampler.make(), max_new_tokens=rc.max_new_tokens, pad_id=0
       )

@@ -30,7 +30,14 @@ def _engine_config(args, run_cfg):
     fits = [n for n in engine.PREFILL_LENGTHS if n >= run_cfg.rollout.max_context]
     prefill = args.max_prefill or (fits[0] if fits else engine.PREFILL_LENGTHS[-1])
     decode = args.max_decode or run_cfg.rollout.max_new_tokens
-    strategy = run_cfg.sampler.make(evaluation=True)
+    answer_ids = ()
+    if run_cfg.sampler.restrict_answers:  # serve the policy as trained: answers restricted too
+      from earl_jax import model as model_lib
+      from earl_jax.rl import preflight
+
+      tokenizer = model_lib.make_tokenizer(run_cfg.tokenizer)
+      answer_ids = preflight.answer_token_ids(run_cfg, tokenizer)
+    strategy = run_cfg.sampler.make(evaluation=True, answer_ids=answer_ids)
   else:
     prefill, decode, strategy = args.max_prefill or 1024, args.max_decode or 256, None
   kwargs = {"strategy": strategy} if strategy is not None else {}

@@ -156,6 +156,55 @@ def test_sampler_errors_name_the_config_key():
     config_lib.from_config_dict({"sampler": {"strategy": "top_k", "top_k": 0}})
 
 
+_RESTRICTED = {
+  "sampler": {"restrict_answers": True},
+  "rollout": {"max_new_tokens": 1},
+  "env": {"game": {"parse_mode": "lenient"}},
+}
+
+
+def _merged(base: dict, extra: dict) -> dict:
+  out = dict(base)
+  for k, v in extra.items():
+    out[k] = _merged(out.get(k, {}), v) if isinstance(v, dict) else v
+  return out
+
+
+@pytest.mark.parametrize(
+  ("extra", "key", "fragment"),
+  [
+    ({"env": {"name": "calculator"}}, "sampler.restrict_answers", "env.name 'calculator'"),
+    ({"env": {"game": {"parse_mode": "tag"}}}, "env.game.parse_mode", "'lenient' with sampler"),
+    ({"rollout": {"max_new_tokens": 2}}, "rollout.max_new_tokens", "1 with sampler"),
+  ],
+)
+def test_restricted_answers_need_bare_one_token_moves(extra, key, fragment):
+  assert config_lib.from_config_dict(_RESTRICTED).sampler.restrict_answers
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.from_config_dict(_merged(_RESTRICTED, extra))
+  assert err.value.key == key and fragment in str(err.value)
+
+
+def test_restricted_answers_are_the_move_token_ids(monkeypatch):
+  from earl_jax import model as model_lib
+  from earl_jax.rl import preflight
+
+  cfg = config_lib.from_config_dict(_RESTRICTED)
+  tok = model_lib.CharTokenizer()
+  ids = preflight.answer_token_ids(cfg, tok)
+  assert [tok.decode([i]) for i in ids] == list("0123456")  # Connect Four's seven columns
+  free = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, restrict_answers=False))
+  assert preflight.answer_token_ids(free, tok) == ()
+
+  class TenMoves:
+    answer_alphabet = tuple(str(i) for i in range(11))
+
+  monkeypatch.setattr(config_lib.EnvConfig, "make", lambda self, **kw: TenMoves())
+  with pytest.raises(config_lib.ConfigError, match=r"answer '10' is 2 tokens") as err:
+    preflight.answer_token_ids(cfg, tok)
+  assert err.value.key == "sampler.restrict_answers"
+
+
 def test_config_changes_split_experiment_from_run_only_keys():
   base = config_lib.ExperimentConfig()
   saved = json.loads(json.dumps(config_lib.to_dict(base)))  # as read back from a checkpoint

@@ -8,6 +8,10 @@ problem randomness included), so runs are reproducible and resumable from a seed
 
 ``step`` never raises on model output, whatever it is (empty, 1 MB, bytes, None, wrong tags); it
 raises only on caller bugs (stepping before ``reset`` or after ``done``).
+
+An env whose every acceptable answer comes from a small fixed set (a game's moves) may expose it
+as ``answer_alphabet`` (a tuple of strings; None or absent otherwise): a run with
+``sampler.restrict_answers`` then decodes one token of that set per turn.
 """
 
 from __future__ import annotations

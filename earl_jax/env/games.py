@@ -269,6 +269,16 @@ class GameEnv:
     )
 
   @property
+  def answer_alphabet(self) -> tuple[str, ...] | None:
+    """Every answer this env can accept, as bare text (the moves ``0..N-1``) when parse_mode is
+    lenient, else None (a tagged answer is free text). ``sampler.restrict_answers`` decodes
+    only these (each must be one token); which of them is legal in a position stays the policy's
+    call, and an illegal one is still an invalid move."""
+    if self.config.parse_mode is not parsing.ParseMode.LENIENT:
+      return None
+    return tuple(str(a) for a in range(self._game.num_distinct_actions()))
+
+  @property
   def state(self) -> pyspiel.State:
     """A copy of the current OpenSpiel state (for scripted policies and tests)."""
     if self._state is None:

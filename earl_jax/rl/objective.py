@@ -28,6 +28,8 @@ class Objective:
   ``old_logps_BxT`` is never read (the loop does not compute it).
   ``reference_scored``: the batch's ``ref_logps_BxT`` are real (a KL term needs them); without,
   the ``kl_ref`` metric is left out rather than reported against a placeholder.
+  ``allowed``: the sampler's restriction of every answer token to these ids (``Restricted``), so
+  the policy differentiated is the one that sampled.
   """
 
   loss: losses.LossConfig
@@ -36,6 +38,7 @@ class Objective:
   remat: str = "none"
   old_from_new: bool = False
   reference_scored: bool = True
+  allowed: tuple[int, ...] = ()
 
   def totals(self, batch: AdvantageBatch) -> losses.Totals:
     return losses.batch_totals(batch.loss_mask_BxT)
@@ -51,6 +54,7 @@ class Objective:
       chunk_size=self.chunk_size,
       temperature=self.temperature,
       remat=self.remat,
+      allowed=self.allowed,
     )
     old_BxT = jax.lax.stop_gradient(new_logps_BxT) if self.old_from_new else None
     loss, metrics = losses.policy_loss(

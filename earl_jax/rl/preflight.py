@@ -113,11 +113,40 @@ class RunSetup:
   model_cfg: config_lib.ModelConfig
   pretrained_dir: str | None
   plans: ParallelPlan
+  answer_ids: tuple[int, ...] = ()  # sampler.restrict_answers: the answer alphabet's token ids
+
+
+def answer_token_ids(cfg: config_lib.ExperimentConfig, tokenizer: model_lib.Tokenizer):
+  """The token id of each answer in the env's ``answer_alphabet`` (``()`` unless
+  ``sampler.restrict_answers``); an answer that is not exactly one token is a ConfigError."""
+  if not cfg.sampler.restrict_answers:
+    return ()
+  alphabet = getattr(cfg.env.make(), "answer_alphabet", None)
+  if not alphabet:
+    raise config_lib.ConfigError(
+      "sampler.restrict_answers", True, f"False: env {cfg.env.name!r} has no answer alphabet"
+    )
+  ids = []
+  for answer in alphabet:
+    encoded = tokenizer.encode(answer)
+    if len(encoded) != 1:
+      raise config_lib.ConfigError(
+        "sampler.restrict_answers",
+        True,
+        f"False with this tokenizer: answer {answer!r} is {len(encoded)} tokens {encoded}, not one",
+      )
+    ids.append(int(encoded[0]))
+  if len(set(ids)) != len(ids):
+    raise config_lib.ConfigError(
+      "sampler.restrict_answers", True, f"False: answers {alphabet} share tokens {ids}"
+    )
+  return tuple(ids)
 
 
 def check_run(cfg: config_lib.ExperimentConfig) -> RunSetup:
   """Checks the device count, the tokenizer and pretrained files (no weights are read), the
-  vocab size and every stage layout; raises a one-line ConfigError naming the key."""
+  vocab size, every stage layout and the answer alphabet's tokens; raises a one-line ConfigError
+  naming the key."""
   n = cfg.parallel.num_devices or jax.device_count()
   if n > jax.device_count():
     raise config_lib.ConfigError("parallel.num_devices", n, f"<= {jax.device_count()} devices")
@@ -133,7 +162,8 @@ def check_run(cfg: config_lib.ExperimentConfig) -> RunSetup:
       "model.vocab_size", model_cfg.vocab_size, f">= the tokenizer's {tokenizer.vocab_size}"
     )
   plans = check_plans(cfg, devices, model_cfg)
-  return RunSetup(devices, tokenizer, model_cfg, pretrained_dir, plans)
+  answer_ids = answer_token_ids(cfg, tokenizer)
+  return RunSetup(devices, tokenizer, model_cfg, pretrained_dir, plans, answer_ids)
 
 
 def compare_config(

@@ -31,10 +31,12 @@ def lower_score(
   *,
   chunk_size: int,
   temperature: float = 1.0,
+  allowed: tuple[int, ...] = (),
 ) -> jax.stages.Lowered:
   """The reference program (log-probs of given tokens) for ``bucket`` = (B, T). A plan with a
   micro-batch size runs the rows in waves of that many (a loop inside the program: only one
-  wave's activations are live), each wave strided over every data shard."""
+  wave's activations are live), each wave strided over every data shard. ``allowed``: the
+  sampler's answer restriction (``sampling.Restricted``), scored the same way."""
   b = bucket[0]
   waves = b // plan.micro_batch_size if plan.micro_batch_size else 1
   if waves * (plan.micro_batch_size or b) != b:
@@ -42,7 +44,9 @@ def lower_score(
 
   def score(model, tokens, positions, valid):
     def one(rows):
-      return reference.token_logps(model, *rows, chunk_size=chunk_size, temperature=temperature)[0]
+      return reference.token_logps(
+        model, *rows, chunk_size=chunk_size, temperature=temperature, allowed=allowed
+      )[0]
 
     rows = (tokens, positions, valid)
     if waves == 1:
@@ -112,7 +116,9 @@ def abstract_update_batch(b: int, t: int) -> batches.AdvantageBatch:
 class StagePrograms:
   """One run's three stage programs, lowered from abstract shapes (nothing is allocated) and
   compiled once per (stage, plan, program shape) into ``cache``. ``rl/stages.py`` runs them; the
-  pod fit check (``earl_jax/fit.py``) compiles them for devices it does not have."""
+  pod fit check (``earl_jax/fit.py``) compiles them for devices it does not have.
+  ``answer_ids``: the token ids every answer token is restricted to (``RunSetup.answer_ids``;
+  empty when the run does not restrict answers), scored like the sampler samples them."""
 
   def __init__(
     self,
@@ -121,8 +127,10 @@ class StagePrograms:
     abstract_params: nnx.State,
     abstract_state: update.TrainState,
     optimizer: optax.GradientTransformation,
+    answer_ids: tuple[int, ...] = (),
   ) -> None:
     self.cfg, self.graphdef, self.optimizer = cfg, graphdef, optimizer
+    self.answer_ids = tuple(answer_ids)
     self.abstract_params, self.abstract_state = abstract_params, abstract_state
     self.cache = executables.ExecutableCache()
 
@@ -142,6 +150,7 @@ class StagePrograms:
       bucket,
       chunk_size=self.cfg.rl.logp_chunk,
       temperature=self.cfg.sampler.temperature,
+      allowed=self.answer_ids,
     )
     return self.cache.get(Stage.REFERENCE, plan, bucket, lower)
 
@@ -155,6 +164,7 @@ class StagePrograms:
       remat=plan.remat,
       old_from_new=rl.optimizer_steps == 1,
       reference_scored=rl.needs_ref_logps,
+      allowed=self.answer_ids,
     )
     lower = lambda: lower_update(  # noqa: E731
       plan,

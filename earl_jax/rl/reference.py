@@ -15,15 +15,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from earl_jax.sampler import sampling
+
 
 def chunk_logps(
   model: nnx.Module,
   h_BxCxD: jax.Array,
   targets_BxC: jax.Array,
   temperature: float,
+  allowed: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
   """Log-prob of each target and the entropy of the distribution, for one chunk of hidden states."""
   logits_BxCxV = model.project(h_BxCxD).astype(jnp.float32) / temperature
+  if allowed:
+    logits_BxCxV = sampling.restrict(logits_BxCxV, allowed)
   logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
   picked_BxC = jnp.take_along_axis(logp_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
   entropy_BxC = -jnp.sum(jnp.exp(logp_BxCxV) * logp_BxCxV, axis=-1)
@@ -39,6 +44,7 @@ def token_logps(
   chunk_size: int,
   temperature: float = 1.0,
   remat: str = "none",
+  allowed: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
   """log p(tokens[t] | tokens[<t]) for every t, aligned with ``tokens_BxT``.
 
@@ -51,6 +57,9 @@ def token_logps(
     chunk_size: tokens per logits chunk; T must be a multiple (lengths are bucketed anyway).
     temperature: divide logits by this (match the sampler's to score the behaviour policy).
     remat: the decoder's per-block remat policy ("none" | "full" | "dots").
+    allowed: when given, every distribution is restricted to these token ids (the sampler's
+      ``Restricted`` strategy); a target outside them gets log-prob -1e30-ish, so only score
+      tokens that strategy sampled.
 
   Returns:
     (logps_BxT, entropy_BxT) in float32.
@@ -68,7 +77,7 @@ def token_logps(
   # The graph of the model is static; the chunk function closes over it and is rematerialised.
   @jax.checkpoint
   def one_chunk(h_BxCxD: jax.Array, targets_BxC: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return chunk_logps(model, h_BxCxD, targets_BxC, temperature)
+    return chunk_logps(model, h_BxCxD, targets_BxC, temperature, allowed)
 
   def body(carry, xs):
     return carry, one_chunk(*xs)

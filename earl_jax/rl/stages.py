@@ -114,6 +114,7 @@ class StageResources:
   def __init__(self, cfg: config_lib.ExperimentConfig, setup: preflight.RunSetup, workdir):
     self.cfg, self.model_cfg, self.devices = cfg, setup.model_cfg, setup.devices
     self.tokenizer = setup.tokenizer
+    self.answer_ids = setup.answer_ids  # () unless sampler.restrict_answers
     self.plans: ParallelPlan = setup.plans  # the only copy; ``choose`` replaces it
     self.optimizer = update.make_optimizer(cfg.optim)
     self._init_weights(setup.pretrained_dir)
@@ -151,7 +152,12 @@ class StageResources:
     self.state = jax.tree.map(put, state, shardings)
     self.abstract_state = _abstract(self.state)
     self.programs = programs.StagePrograms(
-      cfg, self.graphdef, self.abstract_params, self.abstract_state, self.optimizer
+      cfg,
+      self.graphdef,
+      self.abstract_params,
+      self.abstract_state,
+      self.optimizer,
+      answer_ids=self.answer_ids,
     )
     # The frozen reference must own its buffers: with equal layouts the sync is a no-op that
     # would alias the policy's parameters, which the update step donates.
@@ -191,7 +197,7 @@ class StageResources:
   def spec(self, *, evaluation: bool = False) -> engine.GenerationSpec:
     return engine.GenerationSpec.with_stop_ids(
       tuple(self.tokenizer.stop_ids),
-      strategy=self.cfg.sampler.make(evaluation=evaluation),
+      strategy=self.cfg.sampler.make(evaluation=evaluation, answer_ids=self.answer_ids),
       max_new_tokens=self.cfg.rollout.max_new_tokens,
       pad_id=self.tokenizer.pad_id,
     )

@@ -7,6 +7,9 @@ The returned log-prob is that of the sampled token under the distribution actual
 (temperature applied, top-k / top-p truncated and renormalised): the behaviour policy of the
 importance ratios in PPO-style losses. ``Greedy`` samples from a point mass, whose log-prob (0) is
 useless for RL, so it reports the log-prob under the unmodified model distribution instead.
+``Restricted`` wraps any of them to decode among a fixed set of token ids only (an environment's
+single-token answers); its log-probs are those of the restricted distribution, which the loss
+scores with the same ``restrict`` (``rl/reference.py``).
 """
 
 from __future__ import annotations
@@ -104,22 +107,61 @@ class TopP:
     return _sample_processed(self.process(logits_BxV), rng)
 
 
+def restrict(logits_xV: jax.Array, allowed: tuple[int, ...]) -> jax.Array:
+  """``logits_xV`` in float32 with every token outside ``allowed`` excluded (logit -1e30, so its
+  probability is exactly 0 and it gets no gradient). ``allowed`` is static."""
+  v = logits_xV.shape[-1]
+  if not allowed or min(allowed) < 0 or max(allowed) >= v:
+    raise ValueError(f"allowed token ids {allowed} must be a non-empty subset of [0, {v})")
+  keep_V = jnp.zeros((v,), jnp.bool_).at[jnp.asarray(allowed, jnp.int32)].set(True)
+  return jnp.where(keep_V, logits_xV.astype(jnp.float32), _NEG)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restricted:
+  """``inner`` applied to the logits of the ``allowed`` token ids only: every decoded token is
+  one of them (a game's moves when each move is one token). The reported log-prob is under the
+  restricted distribution (for ``Greedy`` too), the one ``rl/reference.token_logps(allowed=...)``
+  scores, so the PPO ratio compares like with like."""
+
+  inner: Greedy | Temperature | TopK | TopP
+  allowed: tuple[int, ...]
+
+  def __post_init__(self):
+    ids = self.allowed
+    if not ids or any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != len(ids):
+      raise ConfigError("allowed", ids, "a non-empty tuple of distinct non-negative token ids")
+
+  def sample(self, logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return self.inner.sample(restrict(logits_BxV, self.allowed), rng)
+
+
 def _sample_processed(logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
   tokens_B = jax.random.categorical(rng, logits_BxV, axis=-1).astype(jnp.int32)
   return tokens_B, _log_softmax_pick(logits_BxV, tokens_B)
 
 
-Strategy = Greedy | Temperature | TopK | TopP
+Strategy = Greedy | Temperature | TopK | TopP | Restricted
 
 
-def make_strategy(name: str, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-  """Builds a strategy from config values: greedy | temperature | top_k | top_p."""
+def make_strategy(
+  name: str,
+  *,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  allowed: tuple[int, ...] = (),
+) -> Strategy:
+  """Builds a strategy from config values: greedy | temperature | top_k | top_p, restricted to
+  the ``allowed`` token ids when given."""
   if name == "greedy":
-    return Greedy()
-  if name == "temperature":
-    return Temperature(temperature)
-  if name == "top_k":
-    return TopK(top_k, temperature)
-  if name == "top_p":
-    return TopP(top_p, temperature)
-  raise ConfigError("strategy", name, "one of ['greedy', 'temperature', 'top_k', 'top_p']")
+    strategy = Greedy()
+  elif name == "temperature":
+    strategy = Temperature(temperature)
+  elif name == "top_k":
+    strategy = TopK(top_k, temperature)
+  elif name == "top_p":
+    strategy = TopP(top_p, temperature)
+  else:
+    raise ConfigError("strategy", name, "one of ['greedy', 'temperature', 'top_k', 'top_p']")
+  return Restricted(strategy, tuple(allowed)) if allowed else strategy

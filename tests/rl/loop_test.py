@@ -175,6 +175,39 @@ def test_ppo_epochs_and_mini_batches_in_the_loop(tmp_path):
 
 
 @pytest.mark.slow
+def test_restricted_answers_sample_and_score_only_the_moves(tmp_path, monkeypatch):
+  """sampler.restrict_answers: every answer token is a move token, and the reference (the
+  policy itself at step 0) scores each answer exactly as the sampler did, so the PPO ratio and
+  the KL compare the same restricted distribution."""
+  import numpy as np
+
+  c = tiny_config(num_steps=1, eval_every=1)
+  cfg = dataclasses.replace(
+    c,
+    sampler=dataclasses.replace(c.sampler, restrict_answers=True),
+    rollout=dataclasses.replace(c.rollout, max_new_tokens=1),
+    rl=dataclasses.replace(c.rl, loss=dataclasses.replace(c.rl.loss, kl_beta=0.01)),
+  )
+  seen, real = [], stages.StageResources.score
+  monkeypatch.setattr(
+    stages.StageResources, "score", lambda s, b: seen.append((b, real(s, b))) or seen[-1][1]
+  )
+  trainer = loop.Trainer(cfg, tmp_path)
+  (row,) = trainer.run()
+  tok = trainer.setup.tokenizer
+  assert [tok.decode([i]) for i in trainer.stages.answer_ids] == list("0123456")
+  ((batch, scored),) = seen
+  answers = np.asarray(batch.loss_mask_BxT)
+  tokens = np.asarray(batch.tokens_BxT)[answers]
+  assert answers.sum() > 0 and set(tokens.tolist()) <= set(trainer.stages.answer_ids)
+  np.testing.assert_allclose(
+    np.asarray(scored.ref_logps_BxT)[answers], np.asarray(batch.sampler_logps_BxT)[answers],
+    atol=2e-5,
+  )  # fmt: skip
+  assert row["update/loss"] == row["update/loss"] and row["eval/random/win_rate"] >= 0
+
+
+@pytest.mark.slow
 def test_out_of_memory_in_a_stage_replans_and_the_step_is_not_lost(tmp_path, monkeypatch):
   """An injected RESOURCE_EXHAUSTED in the reference and the update stage at step 0: each plan
   is marked infeasible, the selector picks another, the step runs again and the run ends with

@@ -56,6 +56,28 @@ def test_temperature_scales_logits(model):
   np.testing.assert_allclose(hot[:, 1:], want, atol=2e-5)
 
 
+def test_restricted_scoring_is_the_renormalised_distribution(model):
+  """With ``allowed``, each position's distribution is the model's (at the temperature)
+  renormalised over those ids: the distribution ``sampling.Restricted`` samples from
+  (tests/sampler/sampling_test.py checks the sampler against the same numpy reference)."""
+  allowed = (3, 5, 11, 40)
+  tokens, positions, valid = _batch([10, 7], 12, seed=3)
+  tokens = jnp.asarray(np.asarray(allowed)[np.asarray(tokens) % len(allowed)] * np.asarray(valid))
+  logps, entropy = reference.token_logps(
+    model, tokens, positions, valid, chunk_size=4, temperature=0.7, allowed=allowed
+  )
+  z = np.asarray(model_lib.logits(model, tokens))[..., list(allowed)] / 0.7
+  z = z - z.max(-1, keepdims=True)
+  sub = z - np.log(np.exp(z).sum(-1, keepdims=True))  # log-softmax over the allowed ids
+  for b in range(tokens.shape[0]):
+    n = int(valid[b].sum())
+    picked = [sub[b, i, allowed.index(int(tokens[b, i + 1]))] for i in range(n - 1)]
+    np.testing.assert_allclose(logps[b, 1:n], picked, atol=2e-5)
+    ent = -(np.exp(sub[b, : n - 1]) * sub[b, : n - 1]).sum(-1)
+    np.testing.assert_allclose(entropy[b, 1:n], ent, atol=2e-5)
+    assert (np.asarray(logps[b, n:]) == 0).all() and (np.asarray(entropy[b, n:]) == 0).all()
+
+
 def test_gradients_flow_through_chunks(model):
   tokens, positions, valid = _batch([8, 5], 8, seed=2)
   graphdef, state = nnx.split(model)

@@ -77,6 +77,46 @@ def test_greedy_is_argmax_with_model_logprob():
   np.testing.assert_allclose(logps, _np_log_softmax(np.asarray(logits)).max(-1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("inner", [sampling.Temperature(0.8), sampling.TopK(2, 1.0)], ids=str)
+def test_restricted_samples_only_allowed_tokens_with_their_renormalised_logps(inner):
+  logits = np.random.default_rng(3).normal(size=(1, 9)).astype(np.float32) * 2
+  allowed = (1, 4, 6, 7)
+  strategy = sampling.make_strategy(
+    type(inner).__name__.lower().replace("topk", "top_k"),
+    temperature=inner.temperature,
+    top_k=getattr(inner, "k", 0),
+    allowed=allowed,
+  )
+  assert strategy == sampling.Restricted(inner, allowed)
+  masked = np.full_like(logits, -np.inf)
+  masked[:, allowed] = logits[:, allowed]
+  want = np.exp(_np_processed(inner, masked))[0]  # the inner strategy on the allowed tokens only
+  keys = jax.random.split(jax.random.key(1), 20000)
+  toks, logps = jax.jit(jax.vmap(lambda k: strategy.sample(jnp.asarray(logits), k)))(keys)
+  toks = np.asarray(toks)[:, 0]
+  assert set(np.unique(toks)) <= set(allowed)
+  freq = np.bincount(toks, minlength=9) / len(keys)
+  np.testing.assert_allclose(freq, want, atol=0.015)
+  np.testing.assert_allclose(np.exp(np.asarray(logps)[:, 0]), want[toks], rtol=1e-5)
+
+
+def test_restricted_greedy_is_the_argmax_of_the_allowed_tokens():
+  logits = jnp.asarray(np.random.default_rng(4).normal(size=(6, 9)), jnp.float32)
+  allowed = (0, 2, 3, 8)
+  toks, logps = sampling.Restricted(sampling.Greedy(), allowed).sample(logits, jax.random.key(0))
+  sub = np.asarray(logits)[:, allowed]
+  np.testing.assert_array_equal(toks, np.asarray(allowed)[np.argmax(sub, -1)])
+  np.testing.assert_allclose(logps, _np_log_softmax(sub).max(-1), rtol=1e-6)
+
+
+def test_restricted_rejects_bad_token_sets():
+  for bad in ((), (1, 1), (-1, 2)):
+    with pytest.raises(ConfigError):
+      sampling.Restricted(sampling.Greedy(), bad)
+  with pytest.raises(ValueError, match=r"subset of \[0, 9\)"):
+    sampling.restrict(jnp.zeros((2, 9)), (3, 9))
+
+
 @pytest.mark.parametrize(
   ("kwargs", "key"),
   [
