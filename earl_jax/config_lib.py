@@ -109,7 +109,9 @@ class SamplerConfig:
       isinstance(self.restrict_answers, bool), "restrict_answers", self.restrict_answers, "a bool"
     )
 
-  def make(self, *, evaluation: bool = False, answer_ids: tuple[int, ...] = ()):
+  def make(
+    self, *, evaluation: bool = False, answer_ids: tuple[int, ...] = ()
+  ) -> sampling.Strategy:
     """The strategy of training rollouts (or of evaluation games), restricted to ``answer_ids``
     when given (``RunSetup.answer_ids``: non-empty exactly when ``restrict_answers``)."""
     name = self.eval_strategy if evaluation else self.strategy
