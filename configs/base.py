@@ -89,7 +89,9 @@ def get_config() -> ml_collections.ConfigDict:
   s.eval_strategy = "greedy"  # evaluation games: greedy | temperature | top_k | top_p
   s.restrict_answers = False  # each answer is one token of the env's answer alphabet (a game's
   # moves; env.game.parse_mode lenient, rollout.max_new_tokens 1); the loss scores the same
-  # restricted distribution. Legality is still the policy's to learn
+  # restricted distribution. Legality is still the policy's to learn, unless:
+  s.legal_answers = False  # with restrict_answers: each turn decodes only the moves legal in that
+  # position (action masking; the env names them), scored the same way; rollout.batching turn
 
   r = c.rollout = ml_collections.ConfigDict()
   r.num_slots = 8  # episodes decoded concurrently (rows of the rollout batch)

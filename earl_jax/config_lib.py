@@ -95,6 +95,7 @@ class SamplerConfig:
   top_p: float = 1.0  # top_p strategy only
   eval_strategy: str = "greedy"  # evaluation games: same choices
   restrict_answers: bool = False  # decode each answer as one token of the env's answer alphabet
+  legal_answers: bool = False  # ...and only the answers legal this turn (action masking)
 
   def __post_init__(self):
     try:
@@ -108,15 +109,28 @@ class SamplerConfig:
     _require(
       isinstance(self.restrict_answers, bool), "restrict_answers", self.restrict_answers, "a bool"
     )
+    _require(isinstance(self.legal_answers, bool), "legal_answers", self.legal_answers, "a bool")
+    _require(
+      self.restrict_answers or not self.legal_answers,
+      "legal_answers",
+      self.legal_answers,
+      "False without restrict_answers (the legal answers are a subset of the answer alphabet)",
+    )
 
   def make(
     self, *, evaluation: bool = False, answer_ids: tuple[int, ...] = ()
   ) -> sampling.Strategy:
     """The strategy of training rollouts (or of evaluation games), restricted to ``answer_ids``
-    when given (``RunSetup.answer_ids``: non-empty exactly when ``restrict_answers``)."""
+    when given (``RunSetup.answer_ids``: non-empty exactly when ``restrict_answers``), and then
+    per row to the legal ones under ``legal_answers``."""
     name = self.eval_strategy if evaluation else self.strategy
     return sampling.make_strategy(
-      name, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, allowed=answer_ids
+      name,
+      temperature=self.temperature,
+      top_k=self.top_k,
+      top_p=self.top_p,
+      allowed=answer_ids,
+      per_row=self.legal_answers and bool(answer_ids),
     )
 
 
@@ -334,6 +348,13 @@ class ExperimentConfig:
         "rollout.max_new_tokens",
         self.rollout.max_new_tokens,
         "1 with sampler.restrict_answers (each answer is exactly one token)",
+      )
+    if self.sampler.legal_answers:
+      _require(
+        self.rollout.batching == "turn",
+        "rollout.batching",
+        self.rollout.batching,
+        "'turn' with sampler.legal_answers (continuous batching has no per-turn answer masks)",
       )
     _require(
       self.rollout.max_context <= self.model.max_seq_len,

@@ -15,6 +15,7 @@ Ctrl-C stops the server. Needs the serve extra: pip install -e ".[serve]".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import signal
 import sys
@@ -37,7 +38,9 @@ def _engine_config(args, run_cfg):
 
       tokenizer = model_lib.make_tokenizer(run_cfg.tokenizer)
       answer_ids = preflight.answer_token_ids(run_cfg, tokenizer)
-    strategy = run_cfg.sampler.make(evaluation=True, answer_ids=answer_ids)
+    # A server sees text, not a game state: it cannot mask illegal moves (legal_answers).
+    sampler = dataclasses.replace(run_cfg.sampler, legal_answers=False)
+    strategy = sampler.make(evaluation=True, answer_ids=answer_ids)
   else:
     prefill, decode, strategy = args.max_prefill or 1024, args.max_decode or 256, None
   kwargs = {"strategy": strategy} if strategy is not None else {}

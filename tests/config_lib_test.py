@@ -185,6 +185,38 @@ def test_restricted_answers_need_bare_one_token_moves(extra, key, fragment):
   assert err.value.key == key and fragment in str(err.value)
 
 
+@pytest.mark.parametrize(
+  ("extra", "key", "fragment"),
+  [
+    ({"sampler": {"restrict_answers": False}}, "sampler.legal_answers", "without restrict"),
+    ({"rollout": {"batching": "continuous"}}, "rollout.batching", "'turn' with sampler.legal"),
+  ],
+)
+def test_legal_answers_need_restricted_answers_and_turn_batching(extra, key, fragment):
+  legal = _merged(_RESTRICTED, {"sampler": {"legal_answers": True}})
+  assert config_lib.from_config_dict(legal).sampler.make(answer_ids=(4, 5)).per_row
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.from_config_dict(_merged(legal, extra))
+  assert err.value.key == key and fragment in str(err.value)
+
+
+def test_legal_answers_need_an_env_that_names_its_legal_moves(monkeypatch):
+  from earl_jax import model as model_lib
+  from earl_jax.rl import preflight
+
+  cfg = config_lib.from_config_dict(_merged(_RESTRICTED, {"sampler": {"legal_answers": True}}))
+  tok = model_lib.CharTokenizer()
+  assert len(preflight.answer_token_ids(cfg, tok)) == 7
+
+  class NoLegality:
+    answer_alphabet = tuple("0123")
+
+  monkeypatch.setattr(config_lib.EnvConfig, "make", lambda self, **kw: NoLegality())
+  with pytest.raises(config_lib.ConfigError, match="does not say which are legal") as err:
+    preflight.answer_token_ids(cfg, tok)
+  assert err.value.key == "sampler.legal_answers"
+
+
 def test_restricted_answers_are_the_move_token_ids(monkeypatch):
   from earl_jax import model as model_lib
   from earl_jax.rl import preflight

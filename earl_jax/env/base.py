@@ -11,7 +11,9 @@ raises only on caller bugs (stepping before ``reset`` or after ``done``).
 
 An env whose every acceptable answer comes from a small fixed set (a game's moves) may expose it
 as ``answer_alphabet`` (a tuple of strings; None or absent otherwise): a run with
-``sampler.restrict_answers`` then decodes one token of that set per turn.
+``sampler.restrict_answers`` then decodes one token of that set per turn. If it also knows which
+of them are legal now, it exposes ``legal_answer_bits()`` (an int, bit j set: answer j is legal),
+and ``sampler.legal_answers`` decodes only those (action masking).
 """
 
 from __future__ import annotations

@@ -278,6 +278,15 @@ class GameEnv:
       return None
     return tuple(str(a) for a in range(self._game.num_distinct_actions()))
 
+  def legal_answer_bits(self) -> int:
+    """The legal moves now, as a mask over ``answer_alphabet`` (bit a: move a is legal); what
+    ``sampler.legal_answers`` narrows each turn's decoding to. 0 when the game is over."""
+    if self._state is None:
+      raise RuntimeError("GameEnv.legal_answer_bits read before reset(seed)")
+    if self._state.is_terminal():
+      return 0
+    return sum(1 << a for a in self._state.legal_actions())
+
   @property
   def state(self) -> pyspiel.State:
     """A copy of the current OpenSpiel state (for scripted policies and tests)."""

@@ -30,7 +30,7 @@ from earl_jax import model as model_lib
 from earl_jax.model import layout as model_layout
 from earl_jax.parallel import mesh as mesh_lib
 from earl_jax.parallel.plan import StagePlan
-from earl_jax.sampler import engine
+from earl_jax.sampler import engine, sampling
 from earl_jax.types import Stage
 
 
@@ -163,7 +163,8 @@ def lower_generate(
   spec: engine.GenerationSpec,
   bucket: tuple[int, int],
 ) -> jax.stages.Lowered:
-  """The rollout program for ``bucket`` = (slots B, prompt chunk P); the cache is donated."""
+  """The rollout program for ``bucket`` = (slots B, prompt chunk P); the cache is donated. A
+  per-row answer restriction (``sampling.needs_answer_bits``) adds the [B] answer bits last."""
   b, p = bucket
   cfg = graphdef_config(graphdef, abstract_state)
   cache = jax.eval_shape(lambda: model_lib.init_cache(cfg, b, cache_len))
@@ -180,11 +181,15 @@ def lower_generate(
     _sds((b,), jnp.bool_, row1),
     jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep),
   )
+  in_sh = (state_sh, cache_sh, row2, row2, row2, row1, rep)
+  if sampling.needs_answer_bits(spec.strategy):
+    args += (_sds((b,), jnp.int32, row1),)
+    in_sh += (row1,)
   out_sh = engine.GenerateOutput(row2, row2, row2, row1, row1, row1)
   fn = functools.partial(engine.generate_split, graphdef, spec=spec)
   jitted = jax.jit(
     fn,
-    in_shardings=(state_sh, cache_sh, row2, row2, row2, row1, rep),
+    in_shardings=in_sh,
     out_shardings=(out_sh, cache_sh),
     donate_argnums=(1,),
   )
@@ -202,24 +207,23 @@ def lower_score(
   graphdef: nnx.GraphDef,
   abstract_state: nnx.State,
   bucket: tuple[int, int],
-  score_fn: Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array],
+  score_fn: Callable[..., jax.Array],
+  row_dtypes: tuple[Any, ...] = (jnp.int32, jnp.int32, jnp.bool_),
 ) -> jax.stages.Lowered:
-  """A scoring program for ``bucket`` = (B, T): ``score_fn(model, tokens, positions, valid)``
-  returns [B, T] (the reference stage's log-probs, from ``earl_jax.rl.programs``)."""
+  """A scoring program for ``bucket`` = (B, T): ``score_fn(model, *rows)`` returns [B, T] (the
+  reference stage's log-probs, from ``earl_jax.rl.programs``); the rows are [B, T] arrays of
+  ``row_dtypes`` (tokens, positions, valid, then whatever else the score reads)."""
   b, t = bucket
   state_sh = mesh_lib.state_shardings(abstract_state, plan)
   row2 = mesh_lib.batch_sharding(plan, 2)
 
-  def fn(state, tokens, positions, valid):
-    return score_fn(nnx.merge(graphdef, state), tokens, positions, valid)
+  def fn(state, *rows):
+    return score_fn(nnx.merge(graphdef, state), *rows)
 
-  jitted = jax.jit(fn, in_shardings=(state_sh, row2, row2, row2), out_shardings=row2)
-  args = (
-    _abstract(abstract_state, state_sh),
-    _sds((b, t), jnp.int32, row2),
-    _sds((b, t), jnp.int32, row2),
-    _sds((b, t), jnp.bool_, row2),
-  )
+  in_sh = (state_sh,) + (row2,) * len(row_dtypes)
+  jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=row2)
+  rows = [_sds((b, t), dtype, row2) for dtype in row_dtypes]
+  args = (_abstract(abstract_state, state_sh), *rows)
   with activation_layout(plan):
     return jitted.lower(*args)
 

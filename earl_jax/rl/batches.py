@@ -39,6 +39,7 @@ _DTYPES: dict[str, np.dtype] = {
   "rewards_B": np.dtype(np.float32),
   "group_ids_B": np.dtype(np.int32),
   "token_rewards_BxT": np.dtype(np.float32),
+  "answer_bits_BxT": np.dtype(np.int32),
   "ref_logps_BxT": np.dtype(np.float32),
   "old_logps_BxT": np.dtype(np.float32),
   "advantages_BxT": np.dtype(np.float32),
@@ -151,6 +152,9 @@ class RolloutBatch(_BatchMixin):
       [0, num_groups). Group statistics (GRPO, RLOO) are taken over rows with the same id.
     token_rewards_BxT: f32 [B, T]. Per-turn rewards, each on the last token of its model turn
       (sums to ``rewards_B`` per row); all zeros when the environment gives only a final reward.
+    answer_bits_BxT: int32 [B, T]. On a token sampled under ``sampler.legal_answers``, the mask of
+      the answers that were legal (bit j: the j-th answer of the env's alphabet); the scorer
+      restricts that token's distribution to them, as the sampler did. -1 (every bit) elsewhere.
   """
 
   tokens_BxT: Array
@@ -161,13 +165,24 @@ class RolloutBatch(_BatchMixin):
   rewards_B: Array
   group_ids_B: Array
   token_rewards_BxT: Array
+  answer_bits_BxT: Array
 
   @classmethod
-  def create(cls, *, token_rewards_BxT: Array | None = None, **fields: Array) -> RolloutBatch:
-    """Builds a batch; ``token_rewards_BxT=None`` means no per-turn rewards (zeros)."""
+  def create(
+    cls,
+    *,
+    token_rewards_BxT: Array | None = None,
+    answer_bits_BxT: Array | None = None,
+    **fields: Array,
+  ) -> RolloutBatch:
+    """Builds a batch; ``token_rewards_BxT=None`` means no per-turn rewards (zeros),
+    ``answer_bits_BxT=None`` no per-turn answer masks (-1)."""
+    shape = np.shape(fields["tokens_BxT"])
     if token_rewards_BxT is None:
-      token_rewards_BxT = jnp.zeros(np.shape(fields["tokens_BxT"]), jnp.float32)
-    return cls(token_rewards_BxT=token_rewards_BxT, **fields)
+      token_rewards_BxT = jnp.zeros(shape, jnp.float32)
+    if answer_bits_BxT is None:
+      answer_bits_BxT = jnp.full(shape, -1, jnp.int32)
+    return cls(token_rewards_BxT=token_rewards_BxT, answer_bits_BxT=answer_bits_BxT, **fields)
 
 
 @flax.struct.dataclass(kw_only=True)

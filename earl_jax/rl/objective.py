@@ -29,7 +29,8 @@ class Objective:
   ``reference_scored``: the batch's ``ref_logps_BxT`` are real (a KL term needs them); without,
   the ``kl_ref`` metric is left out rather than reported against a placeholder.
   ``allowed``: the sampler's restriction of every answer token to these ids (``Restricted``), so
-  the policy differentiated is the one that sampled.
+  the policy differentiated is the one that sampled; with ``per_row``, each answer token among
+  the answers its turn allowed (the batch's ``answer_bits_BxT``, ``sampler.legal_answers``).
   """
 
   loss: losses.LossConfig
@@ -39,6 +40,7 @@ class Objective:
   old_from_new: bool = False
   reference_scored: bool = True
   allowed: tuple[int, ...] = ()
+  per_row: bool = False
 
   def totals(self, batch: AdvantageBatch) -> losses.Totals:
     return losses.batch_totals(batch.loss_mask_BxT)
@@ -55,6 +57,7 @@ class Objective:
       temperature=self.temperature,
       remat=self.remat,
       allowed=self.allowed,
+      answer_bits_BxT=batch.answer_bits_BxT if self.per_row else None,
     )
     old_BxT = jax.lax.stop_gradient(new_logps_BxT) if self.old_from_new else None
     loss, metrics = losses.policy_loss(

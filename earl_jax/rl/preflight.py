@@ -24,6 +24,7 @@ from earl_jax.parallel.plan import (
   make_stage_plan,
   validate_for_model,
 )
+from earl_jax.sampler import sampling
 from earl_jax.types import BATCH, Stage
 
 
@@ -121,10 +122,21 @@ def answer_token_ids(cfg: config_lib.ExperimentConfig, tokenizer: model_lib.Toke
   ``sampler.restrict_answers``); an answer that is not exactly one token is a ConfigError."""
   if not cfg.sampler.restrict_answers:
     return ()
-  alphabet = getattr(cfg.env.make(), "answer_alphabet", None)
+  env = cfg.env.make()
+  alphabet = getattr(env, "answer_alphabet", None)
   if not alphabet:
     raise config_lib.ConfigError(
       "sampler.restrict_answers", True, f"False: env {cfg.env.name!r} has no answer alphabet"
+    )
+  if cfg.sampler.legal_answers and not callable(getattr(env, "legal_answer_bits", None)):
+    raise config_lib.ConfigError(
+      "sampler.legal_answers", True, f"False: env {cfg.env.name!r} does not say which are legal"
+    )
+  if cfg.sampler.legal_answers and len(alphabet) > sampling.MAX_ANSWERS:
+    raise config_lib.ConfigError(
+      "sampler.legal_answers",
+      True,
+      f"False: {len(alphabet)} answers, a per-turn answer mask holds <= {sampling.MAX_ANSWERS}",
     )
   ids = []
   for answer in alphabet:

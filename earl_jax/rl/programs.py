@@ -32,28 +32,41 @@ def lower_score(
   chunk_size: int,
   temperature: float = 1.0,
   allowed: tuple[int, ...] = (),
+  answer_bits: bool = False,
 ) -> jax.stages.Lowered:
   """The reference program (log-probs of given tokens) for ``bucket`` = (B, T). A plan with a
   micro-batch size runs the rows in waves of that many (a loop inside the program: only one
   wave's activations are live), each wave strided over every data shard. ``allowed``: the
-  sampler's answer restriction (``sampling.Restricted``), scored the same way."""
+  sampler's answer restriction (``sampling.Restricted``), scored the same way; with
+  ``answer_bits`` the program takes a 4th row array, the batch's ``answer_bits_BxT``."""
   b = bucket[0]
   waves = b // plan.micro_batch_size if plan.micro_batch_size else 1
   if waves * (plan.micro_batch_size or b) != b:
     raise ValueError(f"batch {b} is not divisible by micro_batch_size={plan.micro_batch_size}")
 
-  def score(model, tokens, positions, valid):
+  if answer_bits and not allowed:
+    raise ValueError("answer_bits needs the allowed answer ids they index")
+
+  def score(model, *rows):
     def one(rows):
+      tokens, positions, valid, *bits = rows
       return reference.token_logps(
-        model, *rows, chunk_size=chunk_size, temperature=temperature, allowed=allowed
+        model,
+        tokens,
+        positions,
+        valid,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        allowed=allowed,
+        answer_bits_BxT=bits[0] if bits else None,
       )[0]
 
-    rows = (tokens, positions, valid)
     if waves == 1:
       return one(rows)
     return update.merge_rows(jax.lax.map(one, update.split_rows(rows, waves, "waves")))
 
-  return executables.lower_score(plan, graphdef, abstract_state, bucket, score)
+  dtypes = (jnp.int32, jnp.int32, jnp.bool_) + ((jnp.int32,) if answer_bits else ())
+  return executables.lower_score(plan, graphdef, abstract_state, bucket, score, dtypes)
 
 
 def lower_update(
@@ -118,7 +131,8 @@ class StagePrograms:
   compiled once per (stage, plan, program shape) into ``cache``. ``rl/stages.py`` runs them; the
   pod fit check (``earl_jax/fit.py``) compiles them for devices it does not have.
   ``answer_ids``: the token ids every answer token is restricted to (``RunSetup.answer_ids``;
-  empty when the run does not restrict answers), scored like the sampler samples them."""
+  empty when the run does not restrict answers), scored like the sampler samples them; under
+  ``sampler.legal_answers`` each answer token is scored among the answers legal on its turn."""
 
   def __init__(
     self,
@@ -151,6 +165,7 @@ class StagePrograms:
       chunk_size=self.cfg.rl.logp_chunk,
       temperature=self.cfg.sampler.temperature,
       allowed=self.answer_ids,
+      answer_bits=self.cfg.sampler.legal_answers,
     )
     return self.cache.get(Stage.REFERENCE, plan, bucket, lower)
 
@@ -165,6 +180,7 @@ class StagePrograms:
       old_from_new=rl.optimizer_steps == 1,
       reference_scored=rl.needs_ref_logps,
       allowed=self.answer_ids,
+      per_row=self.cfg.sampler.legal_answers,
     )
     lower = lambda: lower_update(  # noqa: E731
       plan,

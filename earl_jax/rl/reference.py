@@ -24,11 +24,12 @@ def chunk_logps(
   targets_BxC: jax.Array,
   temperature: float,
   allowed: tuple[int, ...] = (),
+  answer_bits_BxC: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Log-prob of each target and the entropy of the distribution, for one chunk of hidden states."""
   logits_BxCxV = model.project(h_BxCxD).astype(jnp.float32) / temperature
   if allowed:
-    logits_BxCxV = sampling.restrict(logits_BxCxV, allowed)
+    logits_BxCxV = sampling.restrict(logits_BxCxV, allowed, answer_bits_BxC)
   logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
   picked_BxC = jnp.take_along_axis(logp_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
   entropy_BxC = -jnp.sum(jnp.exp(logp_BxCxV) * logp_BxCxV, axis=-1)
@@ -45,6 +46,7 @@ def token_logps(
   temperature: float = 1.0,
   remat: str = "none",
   allowed: tuple[int, ...] = (),
+  answer_bits_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """log p(tokens[t] | tokens[<t]) for every t, aligned with ``tokens_BxT``.
 
@@ -60,6 +62,9 @@ def token_logps(
     allowed: when given, every distribution is restricted to these token ids (the sampler's
       ``Restricted`` strategy); a target outside them gets log-prob -1e30-ish, so only score
       tokens that strategy sampled.
+    answer_bits_BxT: with ``allowed``, each token's answer mask (the per-row ``Restricted``
+      sampler's ``answer_bits_B`` of the turn it was sampled in; ``RolloutBatch.answer_bits_BxT``):
+      token t is scored under the distribution restricted to the answers legal when it was drawn.
 
   Returns:
     (logps_BxT, entropy_BxT) in float32.
@@ -73,16 +78,21 @@ def token_logps(
   n = t // chunk_size
   h_NxBxCxD = jnp.moveaxis(h_BxTxD.reshape(b, n, chunk_size, -1), 1, 0)
   targets_NxBxC = jnp.moveaxis(targets_BxT.reshape(b, n, chunk_size), 1, 0)
+  bits_NxBxC = None  # token t's answer mask applies where it is predicted: at t - 1, as its target
+  if answer_bits_BxT is not None and allowed:
+    bits_BxT = jnp.concatenate([answer_bits_BxT[:, 1:], answer_bits_BxT[:, :1]], axis=1)
+    bits_NxBxC = jnp.moveaxis(bits_BxT.reshape(b, n, chunk_size), 1, 0)
 
   # The graph of the model is static; the chunk function closes over it and is rematerialised.
   @jax.checkpoint
-  def one_chunk(h_BxCxD: jax.Array, targets_BxC: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return chunk_logps(model, h_BxCxD, targets_BxC, temperature, allowed)
+  def one_chunk(h_BxCxD, targets_BxC, bits_BxC) -> tuple[jax.Array, jax.Array]:
+    return chunk_logps(model, h_BxCxD, targets_BxC, temperature, allowed, bits_BxC)
 
   def body(carry, xs):
     return carry, one_chunk(*xs)
 
-  _, (logps_NxBxC, entropy_NxBxC) = jax.lax.scan(body, None, (h_NxBxCxD, targets_NxBxC))
+  xs = (h_NxBxCxD, targets_NxBxC, bits_NxBxC)
+  _, (logps_NxBxC, entropy_NxBxC) = jax.lax.scan(body, None, xs)
   next_logps_BxT = jnp.moveaxis(logps_NxBxC, 0, 1).reshape(b, t)
   entropy_BxT = jnp.moveaxis(entropy_NxBxC, 0, 1).reshape(b, t)
   zeros_Bx1 = jnp.zeros((b, 1), jnp.float32)

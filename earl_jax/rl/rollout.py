@@ -111,6 +111,7 @@ class _Episode:
   tokens: list[int] = dataclasses.field(default_factory=list)
   loss_mask: list[bool] = dataclasses.field(default_factory=list)
   logps: list[float] = dataclasses.field(default_factory=list)
+  answer_bits: list[int] = dataclasses.field(default_factory=list)  # per token, -1: unrestricted
   turn_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (index, r)
   pending: list[int] = dataclasses.field(default_factory=list)  # context to prefill next turn
 
@@ -147,6 +148,7 @@ def run_rollout(
   *,
   pad_id: int,
   resize: Callable[[Any, int], Any] | None = None,
+  legal_answers: bool = False,
 ) -> tuple[RolloutResult, Any]:
   """Plays every episode in ``episodes``, ``cfg.num_slots`` at a time; returns the packed batch.
 
@@ -164,6 +166,9 @@ def run_rollout(
     resize: ``(cache, slots needed) -> cache`` with at least that many slots per row (contents
       kept). Given, the cache grows before a call whose rows need more slots than it has, up to
       ``cfg.cache_len()``, so decode attends over what the episodes fill, not the whole budget.
+    legal_answers: ``generate`` takes a 7th argument, each row's answer mask for this turn
+      (``env.legal_answer_bits()``: the legal moves among the env's ``answer_alphabet``), and
+      the batch records it on the turn's tokens (``RolloutBatch.answer_bits_BxT``).
 
   Returns:
     (RolloutResult, cache) — the cache is handed back so the next step can reuse its buffers.
@@ -186,10 +191,15 @@ def run_rollout(
       cache = _grown(cache, slots, cfg, resize)
     prompt, mask, positions, active = _chunk_arrays(slots, cfg, pad_id)
     rng, key = jax.random.split(rng)
-    out, cache = generate(cache, prompt, mask, positions, active, key)
+    bits = None
+    if legal_answers:
+      bits = np.asarray([e.legal_answer_bits() if s else -1 for s, e in zip(slots, envs)], np.int32)
+      out, cache = generate(cache, prompt, mask, positions, active, key, bits)
+    else:
+      out, cache = generate(cache, prompt, mask, positions, active, key)
     out = jax.device_get(out)  # B x max_new_tokens ids and log-probs: the host needs the text
     calls += 1
-    generated += _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done)
+    generated += _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done, bits)
   records = [done[i] for i in range(len(episodes))]
   batch = _pack(records, cfg, pad_id)
   result = RolloutResult(
@@ -351,16 +361,16 @@ def _fill_slots(slots, queue, envs, fmt, cfg, cache_len, done) -> np.ndarray:
   return reset
 
 
-def _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done) -> int:
+def _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done, bits=None) -> int:
   """Steps each busy slot's env on its reply; frees the slots whose episode ended. Returns the
-  tokens generated this call."""
+  tokens generated this call. ``bits``: each row's answer mask of this turn, if any."""
   generated = 0
   for i, slot in enumerate(slots):
     if slot is None:
       continue
     index, ep = slot
     generated += int(out.lengths_B[i])
-    finished = _apply_turn(ep, envs[i], fmt, out, i, cfg)
+    finished = _apply_turn(ep, envs[i], fmt, out, i, cfg, -1 if bits is None else int(bits[i]))
     if not finished and not _fits(ep, cfg, cache_len):
       _finish(ep, "truncated", truncated=True)
       finished = True
@@ -404,23 +414,26 @@ def _chunk_rows(eps: Sequence[_Episode | None], rows: int, cfg: RolloutConfig, p
 
 
 def _apply_turn(
-  ep: _Episode, env: Env, fmt: TurnFormat, out: Any, i: int, cfg: RolloutConfig
+  ep: _Episode, env: Env, fmt: TurnFormat, out: Any, i: int, cfg: RolloutConfig, bits: int
 ) -> bool:
   """Records the prefilled chunk and the sampled turn, steps the env; True if the episode ended."""
   n = int(out.lengths_B[i])
   ids = [int(t) for t in out.tokens_BxN[i, :n]]
-  _record_turn(ep, ids, [float(x) for x in out.logps_BxN[i, :n]])
+  _record_turn(ep, ids, [float(x) for x in out.logps_BxN[i, :n]], bits)
   return _after_step(ep, env.step(fmt.action_text(ids)), fmt, cfg, bool(out.stopped_B[i]))
 
 
-def _record_turn(ep: _Episode, ids: list[int], logps: list[float]) -> None:
-  """Appends the prefilled chunk (no loss) and the sampled turn (loss, sampler log-probs)."""
+def _record_turn(ep: _Episode, ids: list[int], logps: list[float], bits: int = -1) -> None:
+  """Appends the prefilled chunk (no loss) and the sampled turn (loss, sampler log-probs, the
+  turn's answer mask)."""
   ep.tokens += ep.pending
   ep.loss_mask += [False] * len(ep.pending)
   ep.logps += [0.0] * len(ep.pending)
+  ep.answer_bits += [-1] * len(ep.pending)
   ep.tokens += ids
   ep.loss_mask += [True] * len(ids)
   ep.logps += logps
+  ep.answer_bits += [bits] * len(ids)
   ep.stats.turns += 1
 
 
@@ -455,8 +468,10 @@ def _pack(records: Sequence[_Episode], cfg: RolloutConfig, pad_id: int) -> batch
   loss_mask = np.zeros((e, t), bool)
   logps = np.zeros((e, t), np.float32)
   token_rewards = np.zeros((e, t), np.float32)
+  answer_bits = np.full((e, t), -1, np.int32)
   for j, r in enumerate(records):
     n = len(r.tokens)
+    answer_bits[j, :n] = r.answer_bits
     tokens[j, :n], valid[j, :n], loss_mask[j, :n], logps[j, :n] = (
       r.tokens,
       True,
@@ -475,4 +490,5 @@ def _pack(records: Sequence[_Episode], cfg: RolloutConfig, pad_id: int) -> batch
     rewards_B=np.asarray([r.stats.reward for r in records], np.float32),
     group_ids_B=np.asarray([r.spec.group_id for r in records], np.int32),
     token_rewards_BxT=token_rewards,
+    answer_bits_BxT=answer_bits,
   )

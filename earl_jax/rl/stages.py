@@ -248,7 +248,15 @@ class StageResources:
     else:
       generate = self._generate_fn(params, spec)
       result, self.kv_cache = rollout.run_rollout(
-        generate, cache, envs[:slots], fmt, episodes, rc, rng, **common
+        generate,
+        cache,
+        envs[:slots],
+        fmt,
+        episodes,
+        rc,
+        rng,
+        legal_answers=self.cfg.sampler.legal_answers,
+        **common,
       )
     if not evaluation:
       longest = max(s.context_len for s in result.episodes)
@@ -267,10 +275,11 @@ class StageResources:
     row2, row1 = mesh_lib.batch_sharding(plan, 2), mesh_lib.batch_sharding(plan, 1)
     rep = executables.replicated(plan)
 
-    def generate(kv_cache, prompt, mask, positions, active, rng):
+    def generate(kv_cache, prompt, mask, positions, active, rng, *answer_bits):
       program = self.programs.rollout(plan, spec, prompt.shape, kv_cache.max_len)
       host = [put(x, s) for x, s in zip((prompt, mask, positions, active), (row2,) * 3 + (row1,))]
-      out, kv_cache = program(params, kv_cache, *host, put(rng, rep))
+      bits = [put(x, row1) for x in answer_bits]  # sampler.legal_answers: each row's legal moves
+      out, kv_cache = program(params, kv_cache, *host, put(rng, rep), *bits)
       return fetch(out), kv_cache
 
     return generate
@@ -286,6 +295,8 @@ class StageResources:
     rb = jax.tree.map(put, batch, batch_shardings(plan, batch))
     program = self.programs.score(plan, rb.tokens_BxT.shape)
     args = (rb.tokens_BxT, rb.positions_BxT, rb.valid_BxT)
+    if self.cfg.sampler.legal_answers:
+      args += (rb.answer_bits_BxT,)
     old = ref = None
     if rl.needs_old_logps:
       policy_params, _ = dispatcher.sync_weights(self.state.params, plan)

@@ -89,6 +89,7 @@ def generate(
   prompt_positions_BxP: jax.Array,
   active_B: jax.Array,
   rng: jax.Array,
+  answer_bits_B: jax.Array | None = None,
   *,
   spec: GenerationSpec,
 ):
@@ -102,6 +103,8 @@ def generate(
     prompt_positions_BxP: RoPE positions of the new tokens (continue the row's previous positions).
     active_B: rows to decode; inactive rows only get their (masked) chunk written.
     rng: PRNG key.
+    answer_bits_B: int32 per-row answer masks, exactly when the strategy is per-row
+      (``sampling.needs_answer_bits``): which of its answers each row may decode this turn.
     spec: static generation settings.
 
   Returns:
@@ -109,6 +112,11 @@ def generate(
     turn only prefills the environment's answer.
   """
   b, n = prompt_BxP.shape[0], spec.max_new_tokens
+  if sampling.needs_answer_bits(spec.strategy) != (answer_bits_B is not None):
+    raise ValueError(
+      f"strategy {spec.strategy} called with answer_bits_B={answer_bits_B}: per-row answer "
+      "masks go with exactly the per-row Restricted strategy"
+    )
   logits_BxV, pos_B, active_B, cache = prefill_chunk(
     model, cache, prompt_BxP, prompt_mask_BxP, prompt_positions_BxP, active_B
   )
@@ -126,7 +134,10 @@ def generate(
     cache=cache,
     rng=rng,
   )
-  step = functools.partial(_decode_step, model, spec, stops_SxM, decode_layers(model))
+  sample = spec.strategy.sample
+  if answer_bits_B is not None:
+    sample = functools.partial(sample, answer_bits_B=answer_bits_B)
+  step = functools.partial(_decode_step, model, spec, sample, stops_SxM, decode_layers(model))
   end = jax.lax.while_loop(lambda c: (c.i < n) & ~jnp.all(c.done_B), step, init)
   result = GenerateOutput(
     tokens_BxN=end.tokens_BxN,
@@ -174,10 +185,10 @@ def decode_layers(model) -> list | None:
   return model.layer_states() if model.cfg.unrolled_decode(jax.default_backend()) else None
 
 
-def _decode_step(model, spec: GenerationSpec, stops_SxM: jax.Array, layers, c: _Decode) -> _Decode:
+def _decode_step(model, spec: GenerationSpec, sample, stops_SxM: jax.Array, layers, c: _Decode):
   """Samples one token per live row, records it, and feeds it through the model."""
   rng, key = jax.random.split(c.rng)
-  tok_B, logp_B = spec.strategy.sample(c.logits_BxV, key)
+  tok_B, logp_B = sample(c.logits_BxV, key)
   live_B = ~c.done_B
   tok_B = jnp.where(live_B, tok_B, spec.pad_id)
   hist_BxM = jnp.concatenate([c.hist_BxM[:, 1:], tok_B[:, None]], axis=1)

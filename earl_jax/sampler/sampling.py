@@ -8,8 +8,9 @@ The returned log-prob is that of the sampled token under the distribution actual
 importance ratios in PPO-style losses. ``Greedy`` samples from a point mass, whose log-prob (0) is
 useless for RL, so it reports the log-prob under the unmodified model distribution instead.
 ``Restricted`` wraps any of them to decode among a fixed set of token ids only (an environment's
-single-token answers); its log-probs are those of the restricted distribution, which the loss
-scores with the same ``restrict`` (``rl/reference.py``).
+single-token answers), optionally narrowed per row to the answers legal in each row's position
+(``answer_bits_B``: bit j set = ``allowed[j]`` may be played); its log-probs are those of the
+restricted distribution, which the loss scores with the same ``restrict`` (``rl/reference.py``).
 """
 
 from __future__ import annotations
@@ -107,33 +108,69 @@ class TopP:
     return _sample_processed(self.process(logits_BxV), rng)
 
 
-def restrict(logits_xV: jax.Array, allowed: tuple[int, ...]) -> jax.Array:
+ALL_ANSWERS = -1  # an answer-bits value with every bit set: the whole alphabet is allowed
+MAX_ANSWERS = 31  # answers a per-row bitmask (int32, sign bit unused) can address
+
+
+def restrict(
+  logits_xV: jax.Array, allowed: tuple[int, ...], answer_bits_x: jax.Array | None = None
+) -> jax.Array:
   """``logits_xV`` in float32 with every token outside ``allowed`` excluded (logit -1e30, so its
-  probability is exactly 0 and it gets no gradient). ``allowed`` is static."""
+  probability is exactly 0 and it gets no gradient). ``allowed`` is static. ``answer_bits_x``
+  (int32, the leading dims of ``logits_xV``) narrows each distribution further: bit j clear
+  excludes ``allowed[j]``; a value with no bit of the alphabet set keeps the whole alphabet (a
+  row with no legal answer never decodes anything real, and must not become a uniform draw over
+  the vocabulary)."""
   v = logits_xV.shape[-1]
   if not allowed or min(allowed) < 0 or max(allowed) >= v:
     raise ValueError(f"allowed token ids {allowed} must be a non-empty subset of [0, {v})")
-  keep_V = jnp.zeros((v,), jnp.bool_).at[jnp.asarray(allowed, jnp.int32)].set(True)
-  return jnp.where(keep_V, logits_xV.astype(jnp.float32), _NEG)
+  ids_A = jnp.asarray(allowed, jnp.int32)
+  if answer_bits_x is None:
+    keep_xV = jnp.zeros((v,), jnp.bool_).at[ids_A].set(True)
+  else:
+    if len(allowed) > MAX_ANSWERS:
+      raise ValueError(f"{len(allowed)} answers; a per-row answer mask holds <= {MAX_ANSWERS}")
+    bits_x = answer_bits_x.astype(jnp.int32) & ((1 << len(allowed)) - 1)
+    bits_x = jnp.where(bits_x == 0, ALL_ANSWERS, bits_x)
+    shifts_xA = jnp.arange(len(allowed), dtype=jnp.int32).reshape((1,) * bits_x.ndim + (-1,))
+    keep_xA = (bits_x[..., None] >> shifts_xA) & 1 == 1
+    keep_xV = jnp.zeros(logits_xV.shape, jnp.bool_).at[..., ids_A].set(keep_xA)
+  return jnp.where(keep_xV, logits_xV.astype(jnp.float32), _NEG)
 
 
 @dataclasses.dataclass(frozen=True)
 class Restricted:
   """``inner`` applied to the logits of the ``allowed`` token ids only: every decoded token is
-  one of them (a game's moves when each move is one token). The reported log-prob is under the
-  restricted distribution (for ``Greedy`` too), the one ``rl/reference.token_logps(allowed=...)``
-  scores, so the PPO ratio compares like with like."""
+  one of them (a game's moves when each move is one token). With ``per_row``, ``sample`` also
+  takes each row's answer bits (``restrict``): only the moves legal in that row's position.
+  The reported log-prob is under the restricted distribution (for ``Greedy`` too), the one
+  ``rl/reference.token_logps(allowed=..., answer_bits_BxT=...)`` scores, so the PPO ratio
+  compares like with like."""
 
   inner: Greedy | Temperature | TopK | TopP
   allowed: tuple[int, ...]
+  per_row: bool = False
 
   def __post_init__(self):
     ids = self.allowed
     if not ids or any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != len(ids):
       raise ConfigError("allowed", ids, "a non-empty tuple of distinct non-negative token ids")
+    if self.per_row and len(ids) > MAX_ANSWERS:
+      raise ConfigError("allowed", ids, f"at most {MAX_ANSWERS} ids with per-row answer masks")
 
-  def sample(self, logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return self.inner.sample(restrict(logits_BxV, self.allowed), rng)
+  def sample(
+    self, logits_BxV: jax.Array, rng: jax.Array, answer_bits_B: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    if self.per_row != (answer_bits_B is not None):
+      raise ValueError(
+        f"Restricted(per_row={self.per_row}) sampled with answer_bits_B={answer_bits_B}"
+      )
+    return self.inner.sample(restrict(logits_BxV, self.allowed, answer_bits_B), rng)
+
+
+def needs_answer_bits(strategy: object) -> bool:
+  """Whether ``strategy.sample`` takes per-row answer bits (the decode program's extra input)."""
+  return isinstance(strategy, Restricted) and strategy.per_row
 
 
 def _sample_processed(logits_BxV: jax.Array, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -151,9 +188,10 @@ def make_strategy(
   top_k: int = 0,
   top_p: float = 1.0,
   allowed: tuple[int, ...] = (),
+  per_row: bool = False,
 ) -> Strategy:
   """Builds a strategy from config values: greedy | temperature | top_k | top_p, restricted to
-  the ``allowed`` token ids when given."""
+  the ``allowed`` token ids when given (and to each row's legal ones with ``per_row``)."""
   if name == "greedy":
     strategy = Greedy()
   elif name == "temperature":
@@ -164,4 +202,6 @@ def make_strategy(
     strategy = TopP(top_p, temperature)
   else:
     raise ConfigError("strategy", name, "one of ['greedy', 'temperature', 'top_k', 'top_p']")
-  return Restricted(strategy, tuple(allowed)) if allowed else strategy
+  if per_row and not allowed:
+    raise ConfigError("per_row", per_row, "False without allowed token ids")
+  return Restricted(strategy, tuple(allowed), per_row) if allowed else strategy

@@ -68,6 +68,21 @@ def test_connect_four_full_column_is_illegal():
   assert ok.info["legal"] and ok.info["retries"] == 0
 
 
+def test_legal_answer_bits_are_the_legal_moves():
+  env = _env(parse_mode="lenient")
+  with pytest.raises(RuntimeError, match="before reset"):
+    env.legal_answer_bits()
+  env.reset(0)
+  assert env.answer_alphabet == tuple("0123456") and env.legal_answer_bits() == 0b1111111
+  for _ in range(3):
+    env.step("0")  # with the first-legal opponent's replies column 0 fills up
+  assert env.legal_answer_bits() == 0b1111110
+  assert env.legal_answer_bits() == sum(1 << a for a in env.state.legal_actions())
+  for move in "3333":  # a vertical four while the opponent fills column 1
+    result = env.step(move)
+  assert result.done and env.legal_answer_bits() == 0  # a finished game has no legal move
+
+
 def test_invalid_ends_the_episode_when_configured():
   env = _env(on_invalid="end", invalid_penalty=-0.5, forfeit_reward=-2.0)
   env.reset(0)

@@ -54,6 +54,7 @@ def random_scored_batch(
     rewards_B=rewards_B,
     group_ids_B=np.asarray(group_ids, np.int32),
     token_rewards_BxT=token_rewards,
+    answer_bits_BxT=np.full((b, t), -1, np.int32),
   )
   return batches.ScoredBatch.from_rollout(rb, ref_logps_BxT=logps(), old_logps_BxT=logps())
 

@@ -13,6 +13,7 @@ import pytest
 
 from earl_jax import config_lib
 from earl_jax import metrics as metrics_lib
+from earl_jax.env import games
 from earl_jax.rl import loop, stages
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -205,6 +206,51 @@ def test_restricted_answers_sample_and_score_only_the_moves(tmp_path, monkeypatc
     atol=2e-5,
   )  # fmt: skip
   assert row["update/loss"] == row["update/loss"] and row["eval/random/win_rate"] >= 0
+
+
+@pytest.mark.slow
+def test_legal_answers_play_only_legal_moves_and_score_them_as_sampled(tmp_path, monkeypatch):
+  """sampler.legal_answers: every answer is one of the moves legal on its turn (no invalid move
+  in training or evaluation, an untrained policy included), the batch carries each turn's mask,
+  and the reference scores every answer under that mask exactly as the sampler drew it."""
+  import numpy as np
+
+  c = tiny_config(num_steps=1, eval_every=1)
+  cfg = dataclasses.replace(
+    c,
+    sampler=dataclasses.replace(c.sampler, restrict_answers=True, legal_answers=True),
+    rollout=dataclasses.replace(c.rollout, max_new_tokens=1),
+    rl=dataclasses.replace(c.rl, loss=dataclasses.replace(c.rl.loss, kl_beta=0.01)),
+  )
+  seen, real = [], stages.StageResources.score
+  monkeypatch.setattr(
+    stages.StageResources, "score", lambda s, b: seen.append((b, real(s, b))) or seen[-1][1]
+  )
+  # 4 turns fill no column: narrow each mask to fewer legal moves, a different set every turn.
+  legal_bits = games.GameEnv.legal_answer_bits
+  monkeypatch.setattr(
+    games.GameEnv,
+    "legal_answer_bits",
+    lambda env: legal_bits(env) & ~(0b11 << len(env.state.history()) % 6),
+  )
+  trainer = loop.Trainer(cfg, tmp_path)
+  (row,) = trainer.run()
+  ((batch, scored),) = seen
+  answers = np.asarray(batch.loss_mask_BxT)
+  bits = np.asarray(batch.answer_bits_BxT)
+  assert (bits[~answers] == -1).all() and (bits[answers] > 0).all()
+  assert len(set(bits[answers].tolist())) > 1 and (bits[answers] < 2**7 - 1).all()
+  column = {t: j for j, t in enumerate(trainer.stages.answer_ids)}
+  moves = np.asarray([column[int(t)] for t in np.asarray(batch.tokens_BxT)[answers]])
+  assert ((bits[answers] >> moves) & 1 == 1).all()  # each answer legal under its own mask
+  np.testing.assert_allclose(
+    np.asarray(scored.ref_logps_BxT)[answers], np.asarray(batch.sampler_logps_BxT)[answers],
+    atol=2e-5,
+  )  # fmt: skip
+  invalid = [k for k in row if k.endswith(("invalid_rate", "invalid_answer_rate"))]
+  assert {"train/invalid_answer_rate", "eval/random/invalid_answer_rate"} <= set(invalid), row
+  assert all(row[k] == 0 for k in invalid), {k: row[k] for k in invalid}
+  assert row["update/loss"] == row["update/loss"]
 
 
 @pytest.mark.slow

@@ -78,6 +78,36 @@ def test_restricted_scoring_is_the_renormalised_distribution(model):
     assert (np.asarray(logps[b, n:]) == 0).all() and (np.asarray(entropy[b, n:]) == 0).all()
 
 
+def test_answer_bits_score_each_token_among_the_answers_legal_on_its_turn(model):
+  """``answer_bits_BxT`` on token t restricts the distribution t is drawn from (predicted at
+  t - 1) to its legal answers: the per-row sampler's log-probs, across chunk boundaries."""
+  allowed = (3, 5, 11, 40)
+  tokens, positions, valid = _batch([10, 7], 12, seed=4)
+  rng = np.random.default_rng(6)
+  bits = rng.integers(1, 16, size=tokens.shape).astype(np.int32)
+  # Every token is an answer legal under its own mask (the lowest set bit's id).
+  low = np.asarray([[int(b & -b).bit_length() - 1 for b in row] for row in bits])
+  tokens = jnp.asarray(np.asarray(allowed)[low] * np.asarray(valid), jnp.int32)
+  logps, entropy = reference.token_logps(
+    model, tokens, positions, valid, chunk_size=4, allowed=allowed, answer_bits_BxT=bits
+  )
+  z = np.asarray(model_lib.logits(model, tokens))[..., list(allowed)]
+  for b in range(tokens.shape[0]):
+    n = int(valid[b].sum())
+    for i in range(1, n):
+      legal = [j for j in range(len(allowed)) if bits[b, i] >> j & 1]
+      sub = z[b, i - 1, legal] - z[b, i - 1, legal].max()
+      sub = sub - np.log(np.exp(sub).sum())
+      np.testing.assert_allclose(logps[b, i], sub[legal.index(low[b, i])], atol=2e-5)
+      np.testing.assert_allclose(entropy[b, i], -(np.exp(sub) * sub).sum(), atol=2e-5)
+  unmasked, _ = reference.token_logps(
+    model, tokens, positions, valid, chunk_size=4, allowed=allowed,
+    answer_bits_BxT=np.full(tokens.shape, -1, np.int32),
+  )  # fmt: skip
+  whole, _ = reference.token_logps(model, tokens, positions, valid, chunk_size=4, allowed=allowed)
+  np.testing.assert_allclose(unmasked, whole, atol=1e-6)  # -1: the whole alphabet
+
+
 def test_gradients_flow_through_chunks(model):
   tokens, positions, valid = _batch([8, 5], 8, seed=2)
   graphdef, state = nnx.split(model)

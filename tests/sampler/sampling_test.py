@@ -109,6 +109,36 @@ def test_restricted_greedy_is_the_argmax_of_the_allowed_tokens():
   np.testing.assert_allclose(logps, _np_log_softmax(sub).max(-1), rtol=1e-6)
 
 
+def test_per_row_answer_bits_narrow_each_row_to_its_legal_answers():
+  """Row r may play only the answers whose bit is set; its log-prob is renormalised over them.
+  A row with no bit of the alphabet set keeps the whole alphabet (never the whole vocabulary)."""
+  logits = jnp.asarray(np.random.default_rng(5).normal(size=(4, 9)) * 2, jnp.float32)
+  allowed = (0, 2, 3, 8)
+  bits = jnp.asarray([0b0001, 0b1010, 0b1100, 0], jnp.int32)
+  strategy = sampling.make_strategy("temperature", allowed=allowed, per_row=True)
+  assert strategy == sampling.Restricted(sampling.Temperature(1.0), allowed, per_row=True)
+  assert sampling.needs_answer_bits(strategy)
+  keys = jax.random.split(jax.random.key(2), 4000)
+  toks, logps = jax.jit(jax.vmap(lambda k: strategy.sample(logits, k, bits)))(keys)
+  toks, logps = np.asarray(toks), np.asarray(logps)
+  legal = [[0], [2, 8], [3, 8], list(allowed)]
+  for r, ids in enumerate(legal):
+    assert set(np.unique(toks[:, r])) == set(ids), r  # every legal one is drawn, nothing else
+    sub = np.asarray(logits)[r, ids]
+    want = dict(zip(ids, _np_log_softmax(sub[None])[0]))
+    np.testing.assert_allclose(logps[:, r], [want[t] for t in toks[:, r]], rtol=1e-5, atol=1e-6)
+  greedy = sampling.Restricted(sampling.Greedy(), allowed, per_row=True)
+  g, _ = greedy.sample(logits, jax.random.key(0), bits)
+  want = [ids[int(np.argmax(np.asarray(logits)[r, ids]))] for r, ids in enumerate(legal)]
+  np.testing.assert_array_equal(g, want)
+  with pytest.raises(ValueError, match="per_row=True"):
+    strategy.sample(logits, jax.random.key(0))  # the bits are required, never silently dropped
+  with pytest.raises(ValueError, match="per_row=False"):
+    sampling.Restricted(sampling.Greedy(), allowed).sample(logits, jax.random.key(0), bits)
+  with pytest.raises(ConfigError, match="per_row"):
+    sampling.make_strategy("greedy", per_row=True)
+
+
 def test_restricted_rejects_bad_token_sets():
   for bad in ((), (1, 1), (-1, 2)):
     with pytest.raises(ConfigError):
