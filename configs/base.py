@@ -160,7 +160,8 @@ def get_config() -> ml_collections.ConfigDict:
   tr.eval_every = 10  # evaluate every N steps, and at the first and last; 0 = never
   tr.eval_episodes = 32  # evaluation episodes per opponent
   tr.eval_opponents = ("random",)  # board games: random | first_legal | heuristic | mcts | mcts:N
-  tr.baselines = ()  # scripted policies played once at start: random | column | heuristic | mcts:N
+  tr.baselines = ()  # scripted policies, played once at start: random | column | stack | heuristic
+  # | mcts:N (reference lines of the eval curves)
   tr.checkpoint_every = 20  # checkpoint every N steps (and at the end and on SIGTERM)
   tr.keep_checkpoints = 2  # checkpoints kept
   tr.log_every = 1  # metrics every N steps

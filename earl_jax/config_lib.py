@@ -222,7 +222,8 @@ class TrainConfig:
   eval_opponents: tuple[str, ...] = ("random",)  # game opponents to evaluate against (specs:
   # random | first_legal | heuristic | mcts | mcts:N)
   # Scripted policies played against every eval opponent once, at the start of a run: the
-  # reference lines of the eval curves (specs: random | column | column:N | heuristic | mcts:N).
+  # reference lines of the eval curves (specs: random | column[:N] | stack[:N] | heuristic
+  # | mcts:N).
   baselines: tuple[str, ...] = ()
   checkpoint_every: int = 20  # save every N steps (and on SIGTERM and at the end)
   keep_checkpoints: int = 2  # keep the last K checkpoints

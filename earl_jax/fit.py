@@ -108,6 +108,19 @@ def for_accelerators(model_cfg):
   return model_cfg
 
 
+def _stand_in_answer_ids(cfg: config_lib.ExperimentConfig) -> tuple[int, ...]:
+  """Token ids 0..n-1 for the n answers of the env's alphabet under ``sampler.restrict_answers``
+  (else ``()``): the run's program shapes without its tokenizer."""
+  if not cfg.sampler.restrict_answers:
+    return ()
+  alphabet = getattr(cfg.env.make(), "answer_alphabet", None)
+  if not alphabet:
+    raise config_lib.ConfigError(
+      "sampler.restrict_answers", True, f"False: env {cfg.env.name!r} has no answer alphabet"
+    )
+  return tuple(range(len(alphabet)))
+
+
 class FitCheck:
   """The stage programs of ``cfg`` on ``devices``, compiled from abstract shapes."""
 
@@ -127,7 +140,13 @@ class FitCheck:
     state = jax.eval_shape(
       lambda p: update.init_train_state(p, optimizer, jax.random.key(0)), params
     )
-    self.programs = programs.StagePrograms(cfg, graphdef, params, state, optimizer)
+    # A restricted-answer run's programs gather its answers' logits (and, under legal_answers,
+    # take a per-row mask): the fit check compiles them with stand-in ids, one per answer of the
+    # env's alphabet (the real ids need the tokenizer, and do not change shapes or memory).
+    self.answer_ids = _stand_in_answer_ids(cfg)
+    self.programs = programs.StagePrograms(
+      cfg, graphdef, params, state, optimizer, answer_ids=self.answer_ids
+    )
     self.selector = selector_lib.Selector(
       model_cfg,
       devices,
@@ -147,9 +166,9 @@ class FitCheck:
 
     rc = self.cfg.rollout
     if stage is Stage.ROLLOUT:
-      # A restricted-answer run's decode differs by one mask over the vocabulary: same memory.
+      strategy = self.cfg.sampler.make(answer_ids=self.answer_ids)
       spec = engine.GenerationSpec.with_stop_ids(
-        (0,), strategy=self.cfg.sampler.make(), max_new_tokens=rc.max_new_tokens, pad_id=0
+        (0,), strategy=strategy, max_new_tokens=rc.max_new_tokens, pad_id=0
       )
       bucket = (stages_lib.rollout_slots(self.cfg, plan), rc.chunk_multiple)
       return self.programs.rollout(plan, spec, bucket, stages_lib.cache_length(rc, context))

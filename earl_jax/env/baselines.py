@@ -8,6 +8,9 @@ same episode seeds as the run's evaluation. Specs (``train.baselines``):
 - ``column``: one column every turn, asked again it answers the same (it forfeits when the column
   is full): what a policy that learned nothing but a column gets. The best of all columns is
   reported (``column:N`` plays column N);
+- ``stack`` / ``stack:N``: the same column while it is legal, else the legal column nearest to it
+  (ties to the left): what a one-column policy gets under ``sampler.legal_answers``, whose masks
+  move it off a full column. Best of all columns unless N is given;
 - ``heuristic``: one ply, "win if you can, block if you must", else random;
 - ``mcts`` / ``mcts:N``: OpenSpiel's MCTS with the env's or N simulations per move.
 """
@@ -22,15 +25,15 @@ import numpy as np
 from earl_jax.env import base, games, opponents
 from earl_jax.types import ConfigError
 
-SPEC_HELP = "random | column | column:N | heuristic | mcts | mcts:N"
+SPEC_HELP = "random | column | column:N | stack | stack:N | heuristic | mcts | mcts:N"
 
 
 def parse_spec(spec: str, key: str = "train.baselines") -> tuple[str, int | None]:
   """A baseline spec -> (kind, argument): ``"mcts:25"`` -> ``("mcts", 25)``."""
   kind, _, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-  if kind not in ("random", "column", "heuristic", "mcts"):
+  if kind not in ("random", "column", "stack", "heuristic", "mcts"):
     raise ConfigError(key, spec, SPEC_HELP)
-  if arg and (kind not in ("column", "mcts") or not arg.isdigit()):
+  if arg and (kind not in ("column", "stack", "mcts") or not arg.isdigit()):
     raise ConfigError(key, spec, SPEC_HELP)
   if kind == "mcts" and arg and int(arg) < 1:
     raise ConfigError(key, spec, SPEC_HELP)
@@ -39,9 +42,11 @@ def parse_spec(spec: str, key: str = "train.baselines") -> tuple[str, int | None
 
 def _player(kind: str, arg: int | None, env: games.GameEnv, seed: int) -> Callable[[], int]:
   """This episode's baseline: a function of nothing (it reads ``env.state``) -> an action. Every
-  kind but ``column`` is the opponent of the same name, playing the policy's side."""
+  kind but ``column`` and ``stack`` is the opponent of the same name, playing the policy's side."""
   if kind == "column":
     return lambda: int(arg)
+  if kind == "stack":
+    return lambda: min(env.state.legal_actions(), key=lambda a: (abs(a - arg), a))
   cfg = env.config
   bot = opponents.make_opponent(
     opponents.OpponentKind(kind),
@@ -58,12 +63,13 @@ def play(
   spec: str, make_env: Callable[[], games.GameEnv], seeds: Sequence[int]
 ) -> dict[str, float]:
   """Outcome rates (``win``, ``draw``, ``loss``, ``invalid``) of baseline ``spec`` over one
-  episode per seed. ``column`` without N: the best column's rates, and ``column`` its index."""
+  episode per seed. ``column`` or ``stack`` without N: the best column's rates, and ``column``
+  its index."""
   kind, arg = parse_spec(spec)
-  if kind == "column" and arg is None:
+  if kind in ("column", "stack") and arg is None:
     env = make_env()
     columns = range(env.game.num_distinct_actions())
-    per_column = [play(f"column:{c}", make_env, seeds) for c in columns]
+    per_column = [play(f"{kind}:{c}", make_env, seeds) for c in columns]
     best = int(np.argmax([r["win"] for r in per_column]))
     return {**per_column[best], "column": best}
   env = make_env()

@@ -73,6 +73,29 @@ def test_column_baseline_forfeits_a_full_column():
   )
 
 
+def test_stack_baseline_moves_to_the_nearest_legal_column():
+  # Where column:0 forfeits (the opponent fills column 0 with it), stack:0 plays on: the
+  # one-column policy that legal-move masking moves off a full column.
+  make = lambda: env_lib.make(  # noqa: E731
+    "connect_four", opponent="first_legal", model_side="second", max_retries=1
+  )
+  rates = baselines.play("stack:0", make, range(2))
+  assert rates["invalid"] == 0.0 and sum(rates.values()) == pytest.approx(1.0), rates
+  env = make()
+  env.reset(0)
+  for _ in range(3):  # the opponent (first_legal) and we alternate in column 0: it is full
+    env.step("<move>0</move>")
+  assert 0 not in env.state.legal_actions()
+  play = baselines._player("stack", 0, env, 0)
+  assert play() == 1
+  play = baselines._player("stack", 3, env, 0)
+  assert play() == 3
+  best = baselines.play("stack", _c4(opponent="random"), range(30))
+  assert best["invalid"] == 0.0 and best["win"] == max(
+    baselines.play(f"stack:{c}", _c4(opponent="random"), range(30))["win"] for c in range(7)
+  )
+
+
 def test_tic_tac_toe_heuristic_rarely_loses():
   make = lambda: env_lib.make("tic_tac_toe", opponent="random", model_side="alternate")  # noqa: E731
   rates = baselines.play("heuristic", make, range(30))
@@ -102,7 +125,7 @@ def test_bad_opponent_specs_name_the_key(spec):
     opponents.parse_spec(spec)
 
 
-@pytest.mark.parametrize("spec", ["mcts:0", "column:x", "heuristic:2", "minimax", ""])
+@pytest.mark.parametrize("spec", ["mcts:0", "column:x", "stack:x", "heuristic:2", "minimax", ""])
 def test_bad_baseline_specs_name_the_key(spec):
   with pytest.raises(ConfigError, match="baselines"):
     baselines.parse_spec(spec)

@@ -142,7 +142,7 @@ def test_required_checkpoint_missing_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_selector_decisions_are_logged_and_respect_the_memory_budget(tmp_path):
   c = tiny_config()
-  budget_gib = 0.004  # a simulated per-device limit below the default update plan's peak
+  budget_gib = 0.0015  # a simulated per-device limit below the default update plan's peak
   cfg = dataclasses.replace(
     c,
     parallel=dataclasses.replace(c.parallel, selector=True, memory_budget_gib=budget_gib),
@@ -177,15 +177,15 @@ def test_ppo_epochs_and_mini_batches_in_the_loop(tmp_path):
 
 @pytest.mark.slow
 def test_restricted_answers_sample_and_score_only_the_moves(tmp_path, monkeypatch):
-  """sampler.restrict_answers: every answer token is a move token, and the reference (the
-  policy itself at step 0) scores each answer exactly as the sampler did, so the PPO ratio and
-  the KL compare the same restricted distribution."""
+  """sampler.restrict_answers without legal_answers: every answer token is a move token, and the
+  reference (the policy itself at step 0) scores each answer exactly as the sampler did, so the
+  PPO ratio and the KL compare the same restricted distribution."""
   import numpy as np
 
   c = tiny_config(num_steps=1, eval_every=1)
   cfg = dataclasses.replace(
     c,
-    sampler=dataclasses.replace(c.sampler, restrict_answers=True),
+    sampler=dataclasses.replace(c.sampler, restrict_answers=True, legal_answers=False),
     rollout=dataclasses.replace(c.rollout, max_new_tokens=1),
     rl=dataclasses.replace(c.rl, loss=dataclasses.replace(c.rl.loss, kl_beta=0.01)),
   )
@@ -324,10 +324,13 @@ def test_continuous_batching_trains_on_a_sharded_rollout_plan_and_is_reproducibl
   schedule depends on what was decoded, never on timing)."""
   c = tiny_config(num_steps=2, eval_every=0)
   layout = dataclasses.replace(c.parallel.rollout_layout, data=4, tensor=2, micro_batch_size=4)
+  # Free-text answers of up to 2 tokens (continuous batching has no per-turn answer masks, and
+  # turns of one token would never leave the batch early).
   cfg = dataclasses.replace(
     c,
     parallel=dataclasses.replace(c.parallel, rollout_layout=layout),
-    rollout=dataclasses.replace(c.rollout, batching="continuous", decode_steps=1),
+    sampler=dataclasses.replace(c.sampler, restrict_answers=False, legal_answers=False),
+    rollout=dataclasses.replace(c.rollout, batching="continuous", decode_steps=1, max_new_tokens=2),
   )
   rows = [loop.Trainer(cfg, tmp_path / f"run{i}").run() for i in range(2)]
   assert len(rows[0]) == 2 and rows[0][-1]["rollout/generated_tokens"] > 0
