@@ -168,7 +168,9 @@ def config_part(args) -> None:
 
   trainers = {}
   for mode in ("turn", "continuous"):
-    cfg = config_lib.load_config_file(args.config, [f"rollout.batching={mode}"])
+    # Both modes without per-turn answer masks: continuous batching has none.
+    overrides = [f"rollout.batching={mode}", "sampler.legal_answers=False"]
+    cfg = config_lib.load_config_file(args.config, overrides)
     trainers[mode] = loop.Trainer(cfg, tempfile.mkdtemp(prefix=f"earl_rollout_{mode}_"))
   episodes = trainers["turn"].episodes(0)
   seconds = {m: [] for m in trainers}
@@ -178,8 +180,9 @@ def config_part(args) -> None:
       result = t.stages.rollout(params, episodes, t.envs, t.fmt, jax.random.key(r))
       if r:
         seconds[mode].append(result.seconds)
-  print(f"\n(config) {args.config}: one training rollout ({len(episodes)} episodes), untrained "
-        f"policy, {jax.device_count()} device(s); medians of {args.repeats}")  # fmt: skip
+  print(f"\n(config) {args.config}, sampler.legal_answers=False: one training rollout "
+        f"({len(episodes)} episodes), untrained policy, {jax.device_count()} device(s); "
+        f"medians of {args.repeats}")  # fmt: skip
   print("| rollout.batching | seconds |")
   print("|---|---|")
   for mode, s in seconds.items():

@@ -18,6 +18,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.env.calculator.min_ops = 1
   c.env.calculator.max_ops = 2
   c.env.calculator.max_operand = 9
+  c.sampler.restrict_answers = False  # free-text answers and tool calls
+  c.sampler.legal_answers = False
   c.rollout.max_turns = 4
   c.rollout.max_new_tokens = 24  # room for <calc>...</calc> or <answer>...</answer>
   c.rollout.max_context = 256

@@ -11,6 +11,7 @@ from configs import connect_four_tiny
 def get_config() -> ml_collections.ConfigDict:
   c = connect_four_tiny.get_config()
   c.env.name = "tic_tac_toe"
+  c.env.game.observation = "compact"  # the 3x3 board, empty cells numbered (no columns here)
   c.rollout.max_turns = 8  # at most 5 moves per side, plus retries
   c.rollout.max_context = 256
   c.model.max_seq_len = 256

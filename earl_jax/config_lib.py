@@ -63,6 +63,13 @@ class EnvConfig:
 
   def __post_init__(self):
     _require(self.name in env_registry.names(), "name", self.name, f"one of {env_registry.names()}")
+    # The env checks its options against the game itself (e.g. an observation the game has no
+    # rendering for): built once here, so a bad combination fails before any device work.
+    section = "calculator" if self.name == env_registry.CALCULATOR else "game"
+    try:
+      self.make()
+    except ConfigError as e:
+      raise ConfigError(f"{section}.{e.key}", e.value, e.allowed) from None
 
   def make(self, **overrides: Any):
     """A fresh env instance (``overrides`` replace config fields, e.g. the eval opponent)."""

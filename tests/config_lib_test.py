@@ -37,6 +37,13 @@ def test_every_config_file_loads_and_validates(name: str):
   assert config_lib.to_dict(exp) == expected
 
 
+def test_an_observation_the_game_cannot_render_fails_at_validation():
+  c = _load("tic_tac_toe_tiny")
+  c.env.game.observation = "columns"  # Connect Four only
+  with pytest.raises(config_lib.ConfigError, match=r"'env\.game\.observation' has value 'columns'"):
+    config_lib.from_config_dict(c)
+
+
 def test_base_defaults_equal_dataclass_defaults():
   # configs/base.py is the single place users read defaults; the dataclasses must agree with it.
   assert config_lib.to_dict(config_lib.ExperimentConfig()) == _load("base").to_dict()
