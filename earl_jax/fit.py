@@ -108,19 +108,6 @@ def for_accelerators(model_cfg):
   return model_cfg
 
 
-def _stand_in_answer_ids(cfg: config_lib.ExperimentConfig) -> tuple[int, ...]:
-  """Token ids 0..n-1 for the n answers of the env's alphabet under ``sampler.restrict_answers``
-  (else ``()``): the run's program shapes without its tokenizer."""
-  if not cfg.sampler.restrict_answers:
-    return ()
-  alphabet = getattr(cfg.env.make(), "answer_alphabet", None)
-  if not alphabet:
-    raise config_lib.ConfigError(
-      "sampler.restrict_answers", True, f"False: env {cfg.env.name!r} has no answer alphabet"
-    )
-  return tuple(range(len(alphabet)))
-
-
 class FitCheck:
   """The stage programs of ``cfg`` on ``devices``, compiled from abstract shapes."""
 
@@ -130,7 +117,7 @@ class FitCheck:
 
     from earl_jax import model as model_lib
     from earl_jax.parallel import selector as selector_lib
-    from earl_jax.rl import programs, update
+    from earl_jax.rl import preflight, programs, update
 
     self.cfg, self.model_cfg, self.devices, self.budget = cfg, model_cfg, devices, budget
     optimizer = update.make_optimizer(cfg.optim)
@@ -143,7 +130,7 @@ class FitCheck:
     # A restricted-answer run's programs gather its answers' logits (and, under legal_answers,
     # take a per-row mask): the fit check compiles them with stand-in ids, one per answer of the
     # env's alphabet (the real ids need the tokenizer, and do not change shapes or memory).
-    self.answer_ids = _stand_in_answer_ids(cfg)
+    self.answer_ids = tuple(range(len(preflight.answer_alphabet(cfg))))
     self.programs = programs.StagePrograms(
       cfg, graphdef, params, state, optimizer, answer_ids=self.answer_ids
     )

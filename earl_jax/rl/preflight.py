@@ -117,9 +117,10 @@ class RunSetup:
   answer_ids: tuple[int, ...] = ()  # sampler.restrict_answers: the answer alphabet's token ids
 
 
-def answer_token_ids(cfg: config_lib.ExperimentConfig, tokenizer: model_lib.Tokenizer):
-  """The token id of each answer in the env's ``answer_alphabet`` (``()`` unless
-  ``sampler.restrict_answers``); an answer that is not exactly one token is a ConfigError."""
+def answer_alphabet(cfg: config_lib.ExperimentConfig) -> tuple[str, ...]:
+  """The env's ``answer_alphabet`` under ``sampler.restrict_answers`` (``()`` without it), after
+  the checks that need no tokenizer: the env has one, and under ``sampler.legal_answers`` it
+  names its legal answers and has at most ``sampling.MAX_ANSWERS``; ConfigError otherwise."""
   if not cfg.sampler.restrict_answers:
     return ()
   env = cfg.env.make()
@@ -138,6 +139,13 @@ def answer_token_ids(cfg: config_lib.ExperimentConfig, tokenizer: model_lib.Toke
       True,
       f"False: {len(alphabet)} answers, a per-turn answer mask holds <= {sampling.MAX_ANSWERS}",
     )
+  return tuple(alphabet)
+
+
+def answer_token_ids(cfg: config_lib.ExperimentConfig, tokenizer: model_lib.Tokenizer):
+  """The token id of each answer in the env's ``answer_alphabet`` (``()`` unless
+  ``sampler.restrict_answers``); an answer that is not exactly one token is a ConfigError."""
+  alphabet = answer_alphabet(cfg)
   ids = []
   for answer in alphabet:
     encoded = tokenizer.encode(answer)
