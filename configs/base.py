@@ -52,7 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
   e = c.env = ml_collections.ConfigDict()
   e.name = "connect_four"  # connect_four | tic_tac_toe | calculator
   g = e.game = ml_collections.ConfigDict()  # board games (OpenSpiel)
-  g.opponent = "random"  # training opponent: random | first_legal | mcts
+  g.opponent = "random"  # training opponent: random | first_legal | heuristic | mcts
+  g.opponent_mix = ()  # or several, one drawn per episode (group): e.g. ("random", "heuristic")
   g.mcts_simulations = 50  # mcts opponent: simulations per move
   g.mcts_rollouts = 1  # mcts opponent: random rollouts per leaf
   g.mcts_uct_c = 2.0  # mcts opponent: exploration constant
@@ -64,6 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   g.max_retries = 2  # retry: invalid answers in a row before the episode ends as invalid
   g.invalid_penalty = -0.5  # reward of each invalid answer that is asked again
   g.legal_move_reward = 0.0  # reward of each legal move (a survival signal for from-scratch runs)
+  g.survival_reward = 0.0  # per legal move, and on a win per move left: rewards holding off a loss
   g.forfeit_reward = -0.5  # reward of the invalid answer that ends the episode; < loss_reward
   g.win_reward = 1.0
   g.draw_reward = 0.0

@@ -45,7 +45,10 @@ class ObservationMode(enum.Enum):
   # the shortest context
   COLUMNS = "columns"  # games with columns (Connect Four): the opponent's last move and the board
   # column by column, bottom up, the policy's pieces '+' and the opponent's '-': the whole
-  # position in a few characters, seen from the policy's side (the tiny default run's)
+  # position in a few characters, seen from the policy's side
+  LINES = "lines"  # games with columns (Connect Four): the opponent's last move, then per column
+  # the longest line a piece dropped there would complete for the policy (a-d) and for the
+  # opponent (A-D), and the column's number: the local threats, not the board (the default run's)
 
 
 class OnInvalid(enum.Enum):

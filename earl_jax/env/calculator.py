@@ -88,7 +88,8 @@ class CalculatorEnvConfig:
       raise ConfigError(
         "on_malformed", self.on_malformed, f"one of {[m.value for m in base.OnInvalid]}"
       )
-    if self.observation in (base.ObservationMode.MOVES, base.ObservationMode.COLUMNS):
+    boards = (base.ObservationMode.MOVES, base.ObservationMode.COLUMNS, base.ObservationMode.LINES)
+    if self.observation in boards:
       raise ConfigError("observation", self.observation.value, "'compact' or 'verbose' (no board)")
     if not isinstance(self.observation, base.ObservationMode):
       modes = [m.value for m in base.ObservationMode]

@@ -31,6 +31,21 @@ are exactly the legal moves: the answer is a number the policy reads off the boa
 counts separators or pieces for), and a causal model sees a column's pieces by the time it reads
 the column's number.
 
+Lines observation (``observation="lines"``; Connect Four; the tiny default run's): the opponent's
+last move, then for each column the cell a piece dropped there would land on, described by two
+letters and closed by the column's number (or ``x`` once the column is full): the longest line
+through that cell the policy would make by playing it (``a``-``d``: 1, 2, 3, 4 or more pieces) and
+the longest the opponent would make by playing it (``A``-``D``)::
+
+  3 aA0aA1aA2aB3aA4aA5aA6      the opponent opened in column 3
+  2 bA0cB1dA2aD3xaA5aA6        column 2 wins now (d), column 3 must be blocked (D), 4 is full
+
+It shows the local threats, not the board: which cells win, which must be blocked and which extend
+a line. It does not say which of them matters, nor what a move gives the opponent above it: what
+to make of the letters is left to the policy to learn from the rewards (a scripted policy that
+adds them up, wins first and blocks second, beats the one-ply heuristic; the letters alone do not
+make a policy that does that).
+
 The whole position fits in a few characters a turn and is seen from the policy's side, so the
 same reply is right whichever colour it plays.
 
@@ -53,7 +68,10 @@ observations are the final board and a line ``win``/``loss``/``draw``/``invalid`
 ``Result: ...``). Rewards: ``win_reward``, ``draw_reward``, ``loss_reward`` on the final step,
 ``invalid_penalty`` per invalid answer that is asked again, ``legal_move_reward`` per legal move
 (a small survival signal for policies that start out answering at random: without it, every
-early episode forfeits and the quickest forfeit, with the fewest penalties, scores best).
+early episode forfeits and the quickest forfeit, with the fewest penalties, scores best), and
+``survival_reward`` per legal move plus, on a win, once more for each move the policy would still
+have had in the longest game (so a loss is worth more the longer it was held off, the signal that
+teaches blocking, and every win is worth the same, so a quick win is never worth less).
 
 Another OpenSpiel two-player sequential game with a text rendering is added with one
 ``register_game`` call (see the two below).
@@ -103,6 +121,8 @@ class GameSpec:
     preference: action -> sort key for the scripted heuristic (lower is preferred).
     columns: (state, policy player) -> the ``columns`` observation's board, or None when the
       game has no columns (the observation is then refused).
+    lines: (state, policy player) -> the ``lines`` observation's columns, or None when the game
+      has no columns (the observation is then refused).
     params: ``load_game`` parameters.
   """
 
@@ -114,6 +134,7 @@ class GameSpec:
   label_row: str = ""
   preference: Callable[[int], float] = float
   columns: Callable[[pyspiel.State, int], str] | None = None
+  lines: Callable[[pyspiel.State, int], str] | None = None
   params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def load(self) -> pyspiel.Game:
@@ -152,6 +173,36 @@ def _connect_four_columns(state: pyspiel.State, player: int) -> str:
   return "".join(cols)
 
 
+_DIRECTIONS = ((0, 1), (1, 0), (1, 1), (1, -1))
+
+
+def _connect_four_lines(state: pyspiel.State, player: int) -> str:
+  board = [list(row) for row in reversed(str(state).strip("\n").splitlines())]  # bottom row first
+  height, width = len(board), len(board[0])
+
+  def longest(r: int, c: int, symbol: str) -> int:
+    best = 1
+    for dr, dc in _DIRECTIONS:
+      n = 1
+      for sign in (1, -1):
+        rr, cc = r + sign * dr, c + sign * dc
+        while 0 <= rr < height and 0 <= cc < width and board[rr][cc] == symbol:
+          n, rr, cc = n + 1, rr + sign * dr, cc + sign * dc
+      best = max(best, n)
+    return min(best, 4)
+
+  mine, theirs = "xo"[player], "xo"[1 - player]
+  out = []
+  for c in range(width):
+    free = [r for r in range(height) if board[r][c] == "."]
+    if not free:
+      out.append("x")
+      continue
+    r = free[0]
+    out.append("abcd"[longest(r, c, mine) - 1] + "ABCD"[longest(r, c, theirs) - 1] + str(c))
+  return "".join(out)
+
+
 register_game(
   "connect_four",
   GameSpec(
@@ -161,6 +212,7 @@ register_game(
     label_row="0123456",
     preference=lambda a: abs(a - 3),
     columns=_connect_four_columns,
+    lines=_connect_four_lines,
   ),
 )
 register_game(
@@ -184,6 +236,11 @@ class GameEnvConfig:
   """Options of a game env (the game itself is the registry name)."""
 
   opponent: OpponentKind = OpponentKind.RANDOM
+  # Training against several opponents: opponent specs (as train.eval_opponents: "random",
+  # "heuristic", "mcts:10", ...), one drawn uniformly per episode from its seed, so a GRPO group
+  # (one seed) meets one opponent and a resumed run meets the same ones. Overrides ``opponent``
+  # (and ``mcts_simulations`` for an "mcts:N" spec); () = always ``opponent``.
+  opponent_mix: tuple[str, ...] = ()
   mcts_simulations: int = 50  # MCTS opponent: simulations per move (strength and cost)
   mcts_rollouts: int = 1  # MCTS opponent: random rollouts per leaf evaluation
   mcts_uct_c: float = 2.0  # MCTS opponent: exploration constant
@@ -195,6 +252,7 @@ class GameEnvConfig:
   max_retries: int = 2  # RETRY: invalid answers in a row before the episode ends as invalid
   invalid_penalty: float = -0.5  # reward of each invalid answer that is asked again
   legal_move_reward: float = 0.0  # reward of each legal move (keep 21 of them below a win)
+  survival_reward: float = 0.0  # reward of each legal move and, on a win, of each move left
   forfeit_reward: float = -0.5  # reward of the invalid answer that ends the episode (outcome
   # invalid): keep it below loss_reward so that giving up is never better than playing on
   win_reward: float = 1.0
@@ -202,6 +260,10 @@ class GameEnvConfig:
   loss_reward: float = -1.0
 
   def __post_init__(self):
+    if not isinstance(self.opponent_mix, tuple):
+      raise ConfigError("opponent_mix", self.opponent_mix, f"a tuple of {opponents.SPEC_HELP}")
+    for spec in self.opponent_mix:
+      opponents.parse_spec(spec, "opponent_mix")
     for key in ("mcts_simulations", "mcts_rollouts"):
       value = getattr(self, key)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -215,6 +277,7 @@ class GameEnvConfig:
     for key in (
       "invalid_penalty",
       "legal_move_reward",
+      "survival_reward",
       "forfeit_reward",
       "win_reward",
       "draw_reward",
@@ -247,9 +310,12 @@ class GameEnv:
     self.spec = spec
     self.config = config or GameEnvConfig()
     self._fixed_opponent = opponent
-    if self.config.observation is ObservationMode.COLUMNS and spec.columns is None:
+    needs = {ObservationMode.COLUMNS: spec.columns, ObservationMode.LINES: spec.lines}
+    if self.config.observation in needs and needs[self.config.observation] is None:
       raise ConfigError(
-        "observation", "columns", f"'compact', 'verbose' or 'moves' for {spec.openspiel_name}"
+        "observation",
+        self.config.observation.value,
+        f"'compact', 'verbose' or 'moves' for {spec.openspiel_name}",
       )
     self._game = spec.load()
     self._guard = base.EpisodeGuard(f"GameEnv({spec.openspiel_name})")
@@ -311,16 +377,23 @@ class GameEnv:
     else:
       self._me = 0 if cfg.model_side is Side.FIRST else 1
     self._chance_rng = base.derive_rng(seed, "chance")
+    kind, sims, self._opponent_name = cfg.opponent, cfg.mcts_simulations, cfg.opponent.value
+    if cfg.opponent_mix:
+      spec = cfg.opponent_mix[base.derive_rng(seed, "opponent_mix").randint(len(cfg.opponent_mix))]
+      self._opponent_name, overrides = opponents.parse_spec(spec, "opponent_mix")
+      kind = OpponentKind(overrides["opponent"])
+      sims = overrides.get("mcts_simulations", sims)
     self._opponent = self._fixed_opponent or opponents.make_opponent(
-      cfg.opponent,
+      kind,
       self._game,
       base.derive_rng(seed, "opponent"),
-      mcts_simulations=cfg.mcts_simulations,
+      mcts_simulations=sims,
       mcts_rollouts=cfg.mcts_rollouts,
       mcts_uct_c=cfg.mcts_uct_c,
     )
     self._state = self._game.new_initial_state()
     self._turn = 0
+    self._moves = 0  # the policy's legal moves this episode
     self._retries = 0
     self._last_opponent: int | None = None
     self._guard.start()
@@ -338,9 +411,15 @@ class GameEnv:
     self._state.apply_action(action)
     self._last_opponent = None
     self._advance()
+    self._moves += 1
+    per_move = self.config.legal_move_reward + self.config.survival_reward
     if self._state.is_terminal():
-      return self._finish(self._terminal_outcome(), action, self.config.legal_move_reward)
-    reward = float(self.config.legal_move_reward)
+      outcome = self._terminal_outcome()
+      if outcome is base.Outcome.WIN:  # the moves it would still have had, as if survived
+        longest = (self._game.max_game_length() + (1 if self._me == 0 else 0)) // 2
+        per_move += self.config.survival_reward * max(longest - self._moves, 0)
+      return self._finish(outcome, action, per_move)
+    reward = float(per_move)
     return base.StepResult(self._render(), reward, False, self._info(None, True, action))
 
   def _advance(self) -> None:
@@ -368,7 +447,7 @@ class GameEnv:
     if cfg.on_invalid is base.OnInvalid.END or self._retries > cfg.max_retries:
       return self._finish(base.Outcome.INVALID, action)
     moves = " ".join(str(a) for a in legal)
-    if cfg.observation is ObservationMode.COLUMNS:
+    if cfg.observation in (ObservationMode.COLUMNS, ObservationMode.LINES):
       obs = "invalid"  # the board it answered shows the full columns; keep retries short
     elif cfg.observation is not ObservationMode.VERBOSE:
       obs = f"invalid; legal: {moves}"
@@ -407,6 +486,7 @@ class GameEnv:
       "action": action,
       "model_player": self._me,
       "opponent_action": self._last_opponent,
+      "opponent": "given" if self._fixed_opponent else self._opponent_name,
       "retries": self._retries,
     }
 
@@ -417,6 +497,8 @@ class GameEnv:
       return f"{me} {last}"
     if self.config.observation is ObservationMode.COLUMNS:
       return f"{last} {self.spec.columns(self._state, self._me)}"
+    if self.config.observation is ObservationMode.LINES:
+      return f"{last} {self.spec.lines(self._state, self._me)}"
     board = self.spec.render(self._state)
     if self.config.observation is ObservationMode.COMPACT:
       return f"{board}\n{me} {last}"

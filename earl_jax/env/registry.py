@@ -30,7 +30,12 @@ def evaluations(name: str, opponents: tuple[str, ...]) -> list[tuple[str, dict[s
   """
   if name == CALCULATOR:
     return [(CALCULATOR, {})]
-  return [games.opponents.parse_spec(spec) for spec in opponents]
+  # Each suite plays its one opponent, whatever the training mix (env.game.opponent_mix).
+  out = []
+  for spec in opponents:
+    metric, overrides = games.opponents.parse_spec(spec)
+    out.append((metric, {**overrides, "opponent_mix": ()}))
+  return out
 
 
 def make(name: str, **kwargs: Any) -> base.Env:

@@ -56,6 +56,22 @@ def rollout_scalars(result: RolloutResult, success: str = "win") -> dict[str, An
   rates = outcome_rates(episodes, "train", success)
   out[f"{success}_rate"] = rates.pop(f"train/{success}_rate")
   out.update(rates)
+  out.update(opponent_rates(episodes, "train", success))
+  return out
+
+
+def opponent_rates(
+  episodes: Sequence[EpisodeStats], prefix: str, success: str = "win"
+) -> dict[str, float]:
+  """``{prefix}/<opponent>/{success}_rate`` per opponent met, where episodes met more than one
+  (a training mix, ``env.game.opponent_mix``); {} otherwise."""
+  names = sorted({e.opponent for e in episodes if e.opponent})
+  if len(names) < 2:
+    return {}
+  out = {}
+  for name in names:
+    met = [e for e in episodes if e.opponent == name]
+    out[f"{prefix}/{name}/{success}_rate"] = sum(e.outcome == success for e in met) / len(met)
   return out
 
 

@@ -102,6 +102,7 @@ class EpisodeStats:
   outcome: str = ""
   truncated: bool = False
   invalid_moves: int = 0
+  opponent: str = ""  # the env's info["opponent"], where it names one (games)
 
 
 @dataclasses.dataclass
@@ -440,6 +441,7 @@ def _record_turn(ep: _Episode, ids: list[int], logps: list[float], bits: int = -
 def _after_step(ep: _Episode, result: Any, fmt: TurnFormat, cfg: RolloutConfig, stopped: bool):
   """The env's answer to the turn just recorded; True if the episode ended."""
   ep.stats.reward += float(result.reward)
+  ep.stats.opponent = str(result.info.get("opponent", ep.stats.opponent))
   ep.turn_rewards.append((len(ep.tokens) - 1, float(result.reward)))
   if result.info.get("legal") is False:
     ep.stats.invalid_moves += 1

@@ -110,7 +110,7 @@ def test_mcts_baseline_and_table():
 
 
 def test_observations_stay_in_the_tiny_alphabet():
-  for observation in ("compact", "moves", "columns"):
+  for observation in ("compact", "moves", "columns", "lines"):
     env = env_lib.make("connect_four", opponent="random", observation=observation)
     outcomes, texts = _play(
       env, lambda _, e=env: f"<move>{e.state.legal_actions()[0]}</move>", range(5)

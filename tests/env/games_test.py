@@ -1,11 +1,13 @@
 """Game envs through their text interface: rules, invalid moves, seeding, formats."""
 
+import re
+
 import numpy as np
 import pytest
 
 from earl_jax import env as env_lib
 from earl_jax.config_lib import ConfigError
-from earl_jax.env import Outcome, games
+from earl_jax.env import Outcome, games, opponents
 
 GARBAGE = [
   "",
@@ -163,6 +165,37 @@ def test_reset_seed_determines_the_episode(opponent):
   assert len({tuple(t) for t in first}) > 1  # seeds give different episodes
 
 
+def test_opponent_mix_draws_one_opponent_per_seed():
+  env = _env(opponent_mix=("random", "heuristic", "mcts:3"), model_side="alternate")
+  met = {}
+  for seed in range(30):
+    env.reset(seed)
+    met[seed] = env.step("<move>3</move>").info["opponent"]
+  assert set(met.values()) == {"random", "heuristic", "mcts3"}
+  for seed in range(30):  # the seed decides: a GRPO group (one seed) and a resume meet the same
+    env.reset(seed)
+    assert env.step("<move>3</move>").info["opponent"] == met[seed]
+  plain = _env(opponent="heuristic")  # no mix: the configured opponent
+  plain.reset(1)
+  assert plain.step("<move>3</move>").info["opponent"] == "heuristic"
+  # The heuristic of the mix is the heuristic: same seed, same moves as a plain heuristic env.
+  seed = next(s for s, name in met.items() if name == "heuristic" and s % 2 == 1)
+  assert _trajectory(env, seed) == _trajectory(
+    _env(opponent="heuristic", model_side="alternate"), seed
+  )
+  for bad in (("random", "minimax"), ("mcts:0",), "random"):
+    with pytest.raises(ConfigError, match="opponent_mix"):
+      _env(opponent_mix=bad)
+
+
+def test_evaluations_play_their_one_opponent_whatever_the_mix():
+  suites = env_lib.registry.evaluations("connect_four", ("random", "mcts:5"))
+  assert suites == [
+    ("random", {"opponent": "random", "opponent_mix": ()}),
+    ("mcts5", {"opponent": "mcts", "mcts_simulations": 5, "opponent_mix": ()}),
+  ]
+
+
 def test_mcts_opponent_beats_random_play():
   env = _env("tic_tac_toe", opponent="mcts", mcts_simulations=100, model_side="alternate")
   outcomes = []
@@ -257,6 +290,73 @@ def test_columns_observation_is_the_board_from_the_policys_side():
     env_lib.make("tic_tac_toe", observation="columns")
   with pytest.raises(ConfigError, match="observation"):
     env_lib.make("calculator", observation="columns")
+
+
+def test_survival_reward_pays_held_off_losses_and_the_same_for_every_win():
+  env = _env(survival_reward=0.01, invalid_penalty=-0.1)  # first_legal opponent, we move first
+  env.reset(0)
+  rewards = [env.step(f"<move>{m}</move>").reward for m in (3, 9, 3, 3)]
+  assert rewards == [0.01, -0.1, 0.01, 0.01]  # each legal move; not the retry
+  # Four in column 3 on our 4th move: the win, that move, and the 17 moves we would still have
+  # had (21 is the most the first player makes in a 42-move game).
+  assert env.step("<move>3</move>").reward == pytest.approx(1.0 + 0.01 + 0.17)
+  # A slower win is worth exactly the same in total; a loss only what it held off.
+  slow = _env(survival_reward=0.01)
+  slow.reset(0)
+  steps = [slow.step(f"<move>{m}</move>") for m in (3, 3, 3, 0, 3)]  # blocks column 0 first
+  assert steps[-1].info["outcome"] == "win"
+  assert sum(r.reward for r in steps) == pytest.approx(1.0 + 0.21)
+  lost = _env(survival_reward=0.01, model_side="second")
+  lost.reset(0)
+  results = [lost.step(f"<move>{m}</move>") for m in (6, 6, 6)]
+  assert results[-1].info["outcome"] == "loss" and results[-1].done
+  assert sum(r.reward for r in results) == pytest.approx(-1.0 + 0.03)
+
+
+def test_lines_observation_names_each_columns_lines():
+  env = env_lib.make(
+    "connect_four", observation="lines", model_side="second", opponent="first_legal"
+  )
+  # x opened in column 0: dropped on top of it, x would make two in a column (B); so would it
+  # next to it in column 1; anywhere else every piece is alone (a, A).
+  assert env.reset(0) == "0 aB0aB1aA2aA3aA4aA5aA6"
+  # We took 3, x took 0 again: three x in column 0 (C on top); our 3 makes 2 and 4 a pair (b).
+  assert env.step("<move>3</move>").observation == "0 aC0aB1bA2bA3bA4aA5aA6"
+  assert env.step("<move>9</move>").observation == "invalid"
+  with pytest.raises(ConfigError, match="observation"):
+    env_lib.make("tic_tac_toe", observation="lines")
+  with pytest.raises(ConfigError, match="observation"):
+    env_lib.make("calculator", observation="lines")
+
+
+def test_lines_observation_marks_exactly_the_winning_and_the_blocking_columns():
+  # 'd' (four for the policy) where its move wins now, 'D' where the opponent's would: the
+  # knowledge of the one-ply heuristic, read off random positions of random games.
+  rng = np.random.RandomState(0)
+  env = env_lib.make("connect_four", observation="lines", opponent="random", parse_mode="lenient")
+  seen = {"d": 0, "D": 0}
+  for seed in range(40):
+    obs = env.reset(seed)
+    while True:
+      state = env.state
+      me, legal = state.current_player(), state.legal_actions()
+      cells = {int(col[-1]): col[:-1] for col in re.findall(r"[a-d][A-D]\d", obs.split(" ")[1])}
+      assert sorted(cells) == legal, obs
+      wins = {a: opponents._wins_after(state, a, me) for a in legal}
+      for a in legal:
+        assert (cells[a][0] == "d") == wins[a], (obs, a)
+        seen["d"] += wins[a]
+        # The heuristic asks by passing with another move, which it cannot do with one legal
+        # move left or when that move would win: those positions say nothing about blocks.
+        if len(legal) > 1 and not any(wins.values()):
+          blocks = opponents._opponent_wins_at(state, a, me)
+          assert (cells[a][1] == "D") == blocks, (obs, a)
+          seen["D"] += blocks
+      result = env.step(str(int(rng.choice(legal))))
+      if result.done:
+        break
+      obs = result.observation
+  assert seen["d"] > 10 and seen["D"] > 10, seen  # both marks were really tested
 
 
 def test_legal_move_reward_pays_each_legal_move_and_not_a_retry():

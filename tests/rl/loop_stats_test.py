@@ -23,6 +23,21 @@ def test_games_report_wins_and_the_calculator_reports_correct_answers():
   assert bar == "correct 0.50 | correct[calculator] 0.25"
 
 
+def test_a_training_mix_reports_the_rate_against_each_opponent():
+  episodes = _episodes("win", "loss", "win", "win")
+  for e, name in zip(episodes, ["heuristic", "heuristic", "random", "mcts10"]):
+    e.opponent = name
+  rates = loop_stats.opponent_rates(episodes, "train")
+  assert rates == {
+    "train/heuristic/win_rate": 0.5,
+    "train/mcts10/win_rate": 1.0,
+    "train/random/win_rate": 1.0,
+  }
+  for e in episodes:
+    e.opponent = "random"
+  assert loop_stats.opponent_rates(episodes, "train") == {}  # one opponent: win_rate says it all
+
+
 def test_baselines_table():
   text = loop_stats.format_baselines(
     {
