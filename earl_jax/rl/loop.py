@@ -407,9 +407,9 @@ class _Transcript:
   def __init__(self, env) -> None:
     self.env, self.turns = env, []
 
-  @property
-  def instructions(self) -> str:
-    return self.env.instructions
+  def __getattr__(self, name: str):
+    # Everything else the rollout asks (instructions, legal_answer_bits, ...) is the env's.
+    return getattr(self.env, name)
 
   def _board(self) -> str | None:
     spec, state = getattr(self.env, "spec", None), getattr(self.env, "state", None)

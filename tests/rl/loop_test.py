@@ -251,6 +251,10 @@ def test_legal_answers_play_only_legal_moves_and_score_them_as_sampled(tmp_path,
   assert {"train/invalid_answer_rate", "eval/random/invalid_answer_rate"} <= set(invalid), row
   assert all(row[k] == 0 for k in invalid), {k: row[k] for k in invalid}
   assert row["update/loss"] == row["update/loss"]
+  # A watched game (Trainer.play) decodes under the same masks: legal moves only.
+  turns = trainer.play("heuristic")
+  assert len(turns) > 1 and all(t["reply"] in "0123456" for t in turns[1:]), turns
+  assert all(t["observation"] != "invalid" and t["outcome"] != "invalid" for t in turns[1:])
 
 
 @pytest.mark.slow
