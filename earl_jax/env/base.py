@@ -48,7 +48,7 @@ class ObservationMode(enum.Enum):
   # position in a few characters, seen from the policy's side
   LINES = "lines"  # games with columns (Connect Four): the opponent's last move, then per column
   # the longest line a piece dropped there would complete for the policy (a-d) and for the
-  # opponent (A-D), and the column's number: the local threats, not the board (the default run's)
+  # opponent (A-D), and the column's number: the local threats, not the board
 
 
 class OnInvalid(enum.Enum):

@@ -31,7 +31,10 @@ are exactly the legal moves: the answer is a number the policy reads off the boa
 counts separators or pieces for), and a causal model sees a column's pieces by the time it reads
 the column's number.
 
-Lines observation (``observation="lines"``; Connect Four; the tiny default run's): the opponent's
+The whole position fits in a few characters a turn and is seen from the policy's side, so the
+same reply is right whichever colour it plays.
+
+Lines observation (``observation="lines"``; Connect Four): the opponent's
 last move, then for each column the cell a piece dropped there would land on, described by two
 letters and closed by the column's number (or ``x`` once the column is full): the longest line
 through that cell the policy would make by playing it (``a``-``d``: 1, 2, 3, 4 or more pieces) and
@@ -42,12 +45,9 @@ the longest the opponent would make by playing it (``A``-``D``)::
 
 It shows the local threats, not the board: which cells win, which must be blocked and which extend
 a line. It does not say which of them matters, nor what a move gives the opponent above it: what
-to make of the letters is left to the policy to learn from the rewards (a scripted policy that
-adds them up, wins first and blocks second, beats the one-ply heuristic; the letters alone do not
-make a policy that does that).
-
-The whole position fits in a few characters a turn and is seen from the policy's side, so the
-same reply is right whichever colour it plays.
+to make of the letters is left to the policy to learn from the rewards. They are enough to beat
+the one-ply heuristic: a scripted reader that wins first, blocks second and else adds the letters
+up does (tests/env/games_test.py).
 
 Verbose observation (for chat models)::
 

@@ -359,6 +359,30 @@ def test_lines_observation_marks_exactly_the_winning_and_the_blocking_columns():
   assert seen["d"] > 10 and seen["D"] > 10, seen  # both marks were really tested
 
 
+def test_the_lines_observation_alone_is_enough_to_beat_the_heuristic():
+  # A scripted reader of the text only: win (d), else block (D), else the most letters, centre
+  # first. What the observation offers a policy that learns to read it.
+  def score(cell: tuple[str, str, str]) -> tuple:
+    mine, theirs, column = cell
+    lines = "abcd".index(mine) + "ABCD".index(theirs)
+    return (mine == "d", theirs == "D", lines, -abs(int(column) - 3))
+
+  def reader(obs: str) -> int:
+    return int(max(re.findall(r"([a-d])([A-D])(\d)", obs.split(" ")[-1]), key=score)[2])
+
+  env = env_lib.make(
+    "connect_four", observation="lines", opponent="heuristic", parse_mode="lenient"
+  )
+  wins = 0
+  for seed in range(40):
+    obs, done = env.reset(seed), False
+    while not done:
+      result = env.step(str(reader(obs)))
+      obs, done = result.observation, result.done
+    wins += result.info["outcome"] == "win"
+  assert wins / 40 >= 0.6, wins  # the heuristic itself wins about half against itself
+
+
 def test_legal_move_reward_pays_each_legal_move_and_not_a_retry():
   env = _env(legal_move_reward=0.01, invalid_penalty=-0.1)
   env.reset(0)
