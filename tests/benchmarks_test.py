@@ -67,6 +67,7 @@ def test_peers_benchmark_checks_parity_then_prints_the_table():
   out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "update step 1, 2 device(s): loss" in out.stdout
+  assert "allocator in every worker: " in out.stdout  # checked in each worker's memory map
   for row in ("generate B32 +8", "reference B32 T288", "update B32 T288"):
     assert f"| {row}" in out.stdout
 
