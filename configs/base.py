@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   g.mcts_rollouts = 1  # mcts opponent: random rollouts per leaf
   g.mcts_uct_c = 2.0  # mcts opponent: exploration constant
   g.model_side = "alternate"  # first | second | alternate (by episode seed parity)
-  g.observation = "compact"  # compact (board + last move) | verbose (chat models) | moves | columns
+  g.observation = "compact"  # compact (board + last move) | verbose (chat) | moves | columns|lines
   g.parse_mode = "tag"  # tag (<move>N</move> only) | lenient (else the first digit run)
   g.action_tag = "move"  # the answer is <action_tag>N</action_tag>
   g.on_invalid = "retry"  # after an invalid answer: end the episode | retry
