@@ -25,9 +25,9 @@ simulated (XLA_FLAGS, set below), PyTorch uses --threads threads. Every worker r
 memory allocator (--allocator; default the system's). With glibc's malloc each buffer over 32 MiB
 is a fresh mmap whose pages the kernel faults in and zeroes on every call (measured: 5.4 GB of
 page faults per 30M update step); a preloaded tcmalloc or jemalloc keeps and reuses them, which
-made the 30M update 1.6x faster on the earl_jax side and 1.2x on torch's, but holds on to the
-memory: with ``--devices 1,8`` the 8-device worker grew past 12 GB and the kernel killed it on a
-24 GB machine, so it is an option, not the default.
+made the 30M update 1.4-1.6x faster on the earl_jax side and 1.04-1.2x on torch's (two runs),
+but holds on to the memory: with ``--devices 1,8`` the 8-device worker grew past 12 GB and the
+kernel killed it on a 24 GB machine, so it is an option, not the default.
 Repetitions are interleaved (every variant once per round, --pause seconds idle before each call),
 the table gives the median and the range; compile time is measured apart and never counted in
 the throughput.
