@@ -68,10 +68,14 @@ observations are the final board and a line ``win``/``loss``/``draw``/``invalid`
 ``Result: ...``). Rewards: ``win_reward``, ``draw_reward``, ``loss_reward`` on the final step,
 ``invalid_penalty`` per invalid answer that is asked again, ``legal_move_reward`` per legal move
 (a small survival signal for policies that start out answering at random: without it, every
-early episode forfeits and the quickest forfeit, with the fewest penalties, scores best), and
+early episode forfeits and the quickest forfeit, with the fewest penalties, scores best),
 ``survival_reward`` per legal move plus, on a win, once more for each move the policy would still
 have had in the longest game (so a loss is worth more the longer it was held off, the signal that
-teaches blocking, and every win is worth the same, so a quick win is never worth less).
+teaches blocking, and every win is worth the same, so a quick win is never worth less), and
+``tactic_reward`` per move that takes a win on offer or, with none, blocks a cell where the
+opponent would win next (a shaping reward: it names the one-ply tactics outright). Every step's
+info says which of these the move was (``tactic``: ``win_taken``, ``win_missed``, ``block_made``,
+``block_missed`` or None), and the loop reports the rates taken and made.
 
 Another OpenSpiel two-player sequential game with a text rendering is added with one
 ``register_game`` call (see the two below).
@@ -253,6 +257,8 @@ class GameEnvConfig:
   invalid_penalty: float = -0.5  # reward of each invalid answer that is asked again
   legal_move_reward: float = 0.0  # reward of each legal move (keep 21 of them below a win)
   survival_reward: float = 0.0  # reward of each legal move and, on a win, of each move left
+  tactic_reward: float = 0.0  # reward of a move that takes a win on offer, or else blocks a
+  # cell where the opponent would win next (a shaping reward that names what to learn)
   forfeit_reward: float = -0.5  # reward of the invalid answer that ends the episode (outcome
   # invalid): keep it below loss_reward so that giving up is never better than playing on
   win_reward: float = 1.0
@@ -278,6 +284,7 @@ class GameEnvConfig:
       "invalid_penalty",
       "legal_move_reward",
       "survival_reward",
+      "tactic_reward",
       "forfeit_reward",
       "win_reward",
       "draw_reward",
@@ -408,19 +415,34 @@ class GameEnv:
     if action is None or action not in legal:
       return self._invalid(action, legal)
     self._retries = 0
+    tactic = self._tactic(action)
     self._state.apply_action(action)
     self._last_opponent = None
     self._advance()
     self._moves += 1
     per_move = self.config.legal_move_reward + self.config.survival_reward
+    if tactic in ("win_taken", "block_made"):
+      per_move += self.config.tactic_reward
     if self._state.is_terminal():
       outcome = self._terminal_outcome()
       if outcome is base.Outcome.WIN:  # the moves it would still have had, as if survived
         longest = (self._game.max_game_length() + (1 if self._me == 0 else 0)) // 2
         per_move += self.config.survival_reward * max(longest - self._moves, 0)
-      return self._finish(outcome, action, per_move)
+      return self._finish(outcome, action, per_move, tactic)
     reward = float(per_move)
-    return base.StepResult(self._render(), reward, False, self._info(None, True, action))
+    return base.StepResult(self._render(), reward, False, self._info(None, True, action, tactic))
+
+  def _tactic(self, action: int) -> str | None:
+    """What the policy's legal ``action`` did with the position's one-ply tactics: ``win_taken``
+    or ``win_missed`` where a move won at once, else ``block_made`` or ``block_missed`` where the
+    opponent threatened to win next, else None."""
+    wins = opponents.winning_moves(self._state)
+    if wins:
+      return "win_taken" if action in wins else "win_missed"
+    blocks = opponents.blocking_moves(self._state)
+    if blocks:
+      return "block_made" if action in blocks else "block_missed"
+    return None
 
   def _advance(self) -> None:
     """Plays chance and opponent moves until it is the policy's turn or the game is over."""
@@ -458,7 +480,11 @@ class GameEnv:
     return base.StepResult(obs, float(cfg.invalid_penalty), False, self._info(None, False, action))
 
   def _finish(
-    self, outcome: base.Outcome, action: int | None, bonus: float = 0.0
+    self,
+    outcome: base.Outcome,
+    action: int | None,
+    bonus: float = 0.0,
+    tactic: str | None = None,
   ) -> base.StepResult:
     """The last step: the outcome's reward, plus ``bonus`` (the legal move that ended it)."""
     cfg = self.config
@@ -475,10 +501,19 @@ class GameEnv:
     board = self.spec.render(self._state)
     legal = outcome is not base.Outcome.INVALID
     return base.StepResult(
-      f"{board}\n{verdict}", float(reward) + bonus, True, self._info(outcome, legal, action)
+      f"{board}\n{verdict}",
+      float(reward) + bonus,
+      True,
+      self._info(outcome, legal, action, tactic),
     )
 
-  def _info(self, outcome: base.Outcome | None, legal: bool, action: int | None) -> dict[str, Any]:
+  def _info(
+    self,
+    outcome: base.Outcome | None,
+    legal: bool,
+    action: int | None,
+    tactic: str | None = None,
+  ) -> dict[str, Any]:
     return {
       "outcome": None if outcome is None else outcome.value,
       "legal": legal,
@@ -488,6 +523,7 @@ class GameEnv:
       "opponent_action": self._last_opponent,
       "opponent": "given" if self._fixed_opponent else self._opponent_name,
       "retries": self._retries,
+      "tactic": tactic,  # see _tactic; None for invalid answers and quiet positions
     }
 
   def _render(self) -> str:

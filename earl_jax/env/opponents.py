@@ -69,18 +69,29 @@ def _wins_after(state: pyspiel.State, action: int, player: int) -> bool:
   return child.is_terminal() and child.returns()[player] > 0
 
 
+def winning_moves(state: pyspiel.State) -> list[int]:
+  """The legal moves that win the game at once for the player to move."""
+  me = state.current_player()
+  return [a for a in state.legal_actions() if _wins_after(state, a, me)]
+
+
+def blocking_moves(state: pyspiel.State) -> list[int]:
+  """The legal moves that take a cell where the opponent would win next (its immediate threats,
+  found by letting it move here instead of us: a pass)."""
+  me = state.current_player()
+  return [a for a in state.legal_actions() if _opponent_wins_at(state, a, me)]
+
+
 def one_ply(state: pyspiel.State, rng: np.random.RandomState) -> int:
   """ "Win if you can, block if you must": a move that wins now; else one that takes the cell
   where the opponent would win next; else a uniformly random legal move."""
-  me, legal = state.current_player(), state.legal_actions()
-  wins = [a for a in legal if _wins_after(state, a, me)]
+  wins = winning_moves(state)
   if wins:
     return int(wins[0])
-  # The opponent's winning moves, found by letting it move here instead of us (a pass).
-  blocks = [a for a in legal if _opponent_wins_at(state, a, me)]
+  blocks = blocking_moves(state)
   if blocks:
     return int(blocks[0])
-  return int(rng.choice(legal))
+  return int(rng.choice(state.legal_actions()))
 
 
 def _opponent_wins_at(state: pyspiel.State, action: int, me: int) -> bool:

@@ -31,6 +31,26 @@ def outcome_rates(
   turns = max(sum(e.turns for e in episodes), 1)
   out[f"{prefix}/invalid_answer_rate"] = sum(e.invalid_moves for e in episodes) / turns
   out[f"{prefix}/reward"] = float(np.mean([e.reward for e in episodes])) if episodes else 0.0
+  out.update(tactic_rates(episodes, prefix))
+  return out
+
+
+_TACTICS = (
+  ("win_taken", "win_missed", "wins_taken"),
+  ("block_made", "block_missed", "blocks_made"),
+)
+
+
+def tactic_rates(episodes: Sequence[EpisodeStats], prefix: str) -> dict[str, float]:
+  """Of the moves where a win was on offer, the fraction that took one (``wins_taken_rate``); of
+  those where the opponent threatened to win next, the fraction that blocked (``blocks_made_rate``);
+  each only where the env reports such moves (games: the step info's ``tactic``)."""
+  out = {}
+  for good, bad, name in _TACTICS:
+    made = sum(e.tactics.get(good, 0) for e in episodes)
+    offered = made + sum(e.tactics.get(bad, 0) for e in episodes)
+    if offered:
+      out[f"{prefix}/{name}_rate"] = made / offered
   return out
 
 

@@ -103,6 +103,7 @@ class EpisodeStats:
   truncated: bool = False
   invalid_moves: int = 0
   opponent: str = ""  # the env's info["opponent"], where it names one (games)
+  tactics: dict[str, int] = dataclasses.field(default_factory=dict)  # info["tactic"] -> moves
 
 
 @dataclasses.dataclass
@@ -442,6 +443,9 @@ def _after_step(ep: _Episode, result: Any, fmt: TurnFormat, cfg: RolloutConfig, 
   """The env's answer to the turn just recorded; True if the episode ended."""
   ep.stats.reward += float(result.reward)
   ep.stats.opponent = str(result.info.get("opponent", ep.stats.opponent))
+  tactic = result.info.get("tactic")
+  if tactic:
+    ep.stats.tactics[tactic] = ep.stats.tactics.get(tactic, 0) + 1
   ep.turn_rewards.append((len(ep.tokens) - 1, float(result.reward)))
   if result.info.get("legal") is False:
     ep.stats.invalid_moves += 1

@@ -316,6 +316,31 @@ def test_survival_reward_pays_held_off_losses_and_the_same_for_every_win():
   assert sum(r.reward for r in results) == pytest.approx(-1.0 + 0.03)
 
 
+def test_each_move_names_its_tactic_and_tactic_reward_pays_wins_taken_and_blocks_made():
+  # The first_legal opponent stacks column 0; we move first.
+  def play(moves):
+    env = _env(tactic_reward=0.1)
+    env.reset(0)
+    return [env.step(f"<move>{m}</move>") for m in moves]
+
+  # Three of theirs in column 0 and no win of ours: 0 blocks, anything else misses (and loses).
+  made = play((5, 6, 5, 0))
+  assert [r.info["tactic"] for r in made] == [None, None, None, "block_made"]
+  assert [r.reward for r in made] == [0.0, 0.0, 0.0, 0.1]
+  missed = play((5, 6, 5, 4))
+  assert missed[-1].info["tactic"] == "block_missed" and missed[-1].info["outcome"] == "loss"
+  assert missed[-1].reward == -1.0
+  # Three of ours in column 3 (and three of theirs in 0): the win comes first.
+  won = play((3, 3, 3, 3))
+  assert won[-1].info["tactic"] == "win_taken" and won[-1].reward == pytest.approx(1.1)
+  lost = play((3, 3, 3, 0))
+  assert lost[-1].info["tactic"] == "win_missed" and lost[-1].reward == 0.0
+  # An invalid answer is no move: no tactic, and it is asked again.
+  env = _env(tactic_reward=0.1)
+  env.reset(0)
+  assert env.step("<move>9</move>").info["tactic"] is None
+
+
 def test_lines_observation_names_each_columns_lines():
   env = env_lib.make(
     "connect_four", observation="lines", model_side="second", opponent="first_legal"

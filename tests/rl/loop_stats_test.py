@@ -1,5 +1,7 @@
 """Metric names per environment and the baselines table: what the rows and the bar call things."""
 
+import pytest
+
 from earl_jax import metrics as metrics_lib
 from earl_jax.rl import loop_stats
 from earl_jax.rl.rollout import EpisodeStats
@@ -36,6 +38,21 @@ def test_a_training_mix_reports_the_rate_against_each_opponent():
   for e in episodes:
     e.opponent = "random"
   assert loop_stats.opponent_rates(episodes, "train") == {}  # one opponent: win_rate says it all
+
+
+def test_tactic_rates_count_the_moves_that_had_a_win_or_a_block_on_offer():
+  episodes = _episodes("win", "loss", "loss")
+  episodes[0].tactics = {"win_taken": 1, "block_made": 2}
+  episodes[1].tactics = {"block_missed": 1, "win_missed": 3}
+  rates = loop_stats.outcome_rates(episodes, "eval/heuristic")
+  assert rates["eval/heuristic/wins_taken_rate"] == 0.25
+  assert rates["eval/heuristic/blocks_made_rate"] == pytest.approx(2 / 3)
+  episodes[0].tactics = {"block_made": 1}
+  episodes[1].tactics = {}
+  rates = loop_stats.outcome_rates(episodes, "train")
+  assert rates["train/blocks_made_rate"] == 1.0
+  assert "train/wins_taken_rate" not in rates  # no win was on offer: no rate, not a 0
+  assert loop_stats.tactic_rates(_episodes("correct"), "eval/calculator") == {}
 
 
 def test_baselines_table():
