@@ -14,11 +14,13 @@ Memory terms (per device, bytes), following what the programs keep alive at thei
   gradients   one gradient tree, plus the accumulator when there are several micro-batches
   kv_cache    rollout: [L, slots, S, K, Dh] keys + values, plus ``DeviceSpec.kv_cache_copies``
               extra copies (XLA:CPU double-buffers the cache carried through the decode loop)
-  activations one layer's attention temporaries (``model.attention``: naive keeps f32 [B, H, T, S]
-              scores ~3 times; the blockwise kernels keep [B, H, Bq, Bk] score blocks, key/value
-              block copies and O(T) accumulators, and in the backward pass f32 dq/dk/dv), MLP
-              intermediates, and for the update the per-layer residuals saved for the backward
-              pass (all of them, or one per layer under remat)
+  activations one layer's attention temporaries (``model.attention`` as the platform resolves
+              ``auto``, see ``attention.resolve``: naive keeps f32 [B, H, T, S] scores ~3 times,
+              and without remat every layer's probabilities for the backward pass; the blockwise
+              kernels keep [B, H, Bq, Bk] score blocks, key/value block copies and O(T)
+              accumulators, and in the backward pass f32 dq/dk/dv), MLP intermediates, and for
+              the update the per-layer residuals saved for the backward pass (all of them, or
+              one per layer under remat)
   logits      one [B, C, V] f32 chunk (reference/update) or [B, V] (decode), ~3 live copies
   io          tokens, masks and outputs of the program
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from earl_jax.model import attention
 from earl_jax.model.config import ModelConfig
 from earl_jax.parallel.plan import StagePlan
 from earl_jax.types import (
@@ -54,7 +57,11 @@ from earl_jax.types import (
 # side (short sequences, where XLA fuses the attention temporaries, are over-predicted).
 MEMORY_TOLERANCE = (0.9, 1.75)
 _SCORE_COPIES = 3  # scores, masked scores, softmax probabilities (f32), see module docstring
-_BACKWARD_SCORE_COPIES = 7  # live score-sized buffers in one layer's attention backward
+# Live score-sized f32 buffers in one layer's naive attention backward, fitted to XLA:CPU's
+# compiled peaks (T 256 and 512, remat none and full): ~6, and ~5 when the layer is rematerialised
+# (without remat each layer's saved probabilities come on top, see _scored).
+_BACKWARD_SCORE_COPIES = 6
+_REMAT_BACKWARD_SCORE_COPIES = 5
 _LOGIT_COPIES = 3  # logits, log-softmax, exp(log-softmax)
 _REFERENCE_LOGIT_COPIES = 2  # forward only: the log-softmax fuses with the logits (measured)
 
@@ -165,19 +172,33 @@ def _dtype_bytes(name: str) -> int:
   return 2 if name == "bfloat16" else 4
 
 
+def _attention_impl(cfg: ModelConfig, spec: DeviceSpec, seq_len: int, cached: bool) -> str:
+  """The attention implementation the program runs on ``spec``'s platform (``auto`` resolved)."""
+  return attention.resolve(
+    cfg.attention,
+    cached=cached,
+    seq_len=seq_len,
+    block_size=cfg.attention_block,
+    backend=spec.platform,
+  )
+
+
 def _attention_bytes(
   cfg: ModelConfig,
+  impl: str,
   rows: int,
   queries: int,
   keys: int,
   tp_heads: int,
   copies: int = _SCORE_COPIES,
   backward: bool = False,
+  remat: bool = False,
 ) -> int:
-  """One layer's live attention temporaries (see the module docstring)."""
+  """One layer's live attention temporaries under ``impl`` (see the module docstring)."""
   heads = cfg.num_heads // tp_heads
-  if cfg.attention == "naive":
-    copies = _BACKWARD_SCORE_COPIES if backward else copies
+  if impl == "naive":
+    if backward:
+      copies = _REMAT_BACKWARD_SCORE_COPIES if remat else _BACKWARD_SCORE_COPIES
     return copies * rows * heads * queries * keys * 4 + rows * queries * keys
   cb = _dtype_bytes(cfg.compute_dtype.value)
   kv, dh = max(1, cfg.num_kv_heads // tp_heads), cfg.head_dim
@@ -204,7 +225,9 @@ def _rollout(cfg: ModelConfig, plan: StagePlan, w: Workload, spec: DeviceSpec) -
   mlp = 3 * rows * p * (cfg.mlp_dim // plan.shards_for(MLP)) * cb
   # The prefill chunk's scores fuse into one buffer (measured); the cache dominates anyway.
   act = (
-    _attention_bytes(cfg, rows, p, w.length, tp, copies=1) + mlp + 4 * rows * p * cfg.embed_dim * cb
+    _attention_bytes(cfg, _attention_impl(cfg, spec, p, True), rows, p, w.length, tp, copies=1)
+    + mlp
+    + 4 * rows * p * cfg.embed_dim * cb
   )
   vocab = cfg.padded_vocab_size // plan.shards_for(VOCAB)
   logits = _LOGIT_COPIES * rows * vocab * 4
@@ -258,13 +281,14 @@ def _forward_rows(plan: StagePlan, w: Workload) -> int:
   return rows
 
 
-def _scored(cfg: ModelConfig, plan: StagePlan, w: Workload) -> MemoryEstimate:
+def _scored(cfg: ModelConfig, plan: StagePlan, w: Workload, spec: DeviceSpec) -> MemoryEstimate:
   """Reference (forward only) and update (forward + backward) over [B, T] tokens."""
   pb, cb = _dtype_bytes(cfg.param_dtype.value), _dtype_bytes(cfg.compute_dtype.value)
   rows, t = _forward_rows(plan, w), w.length
   tp, f = plan.shards_for(HEADS), cfg.mlp_dim // plan.shards_for(MLP)
   d = cfg.embed_dim
-  attn = _attention_bytes(cfg, rows, t, t, tp)
+  impl = _attention_impl(cfg, spec, t, False)
+  attn = _attention_bytes(cfg, impl, rows, t, t, tp)
   layer_act = 4 * rows * t * d * cb + 3 * rows * t * f * cb
   vocab = cfg.padded_vocab_size // plan.shards_for(VOCAB)
   logits = _LOGIT_COPIES * rows * min(w.logits_chunk, t) * vocab * 4
@@ -277,12 +301,13 @@ def _scored(cfg: ModelConfig, plan: StagePlan, w: Workload) -> MemoryEstimate:
     logits = _REFERENCE_LOGIT_COPIES * rows * min(w.logits_chunk, t) * vocab * 4
     hidden = rows * t * d * 4
     return MemoryEstimate(weights, 0, 0, 0, max(attn + layer_act - logits, hidden), logits, io)
-  # Backward: the peak is inside one layer's attention backward (naive: ~7 score-sized f32
-  # buffers, measured on XLA:CPU, with or without remat). Without remat every layer also keeps
-  # what its backward reads; with remat only its input, and the layer being differentiated
-  # recomputes its own.
-  attn = _attention_bytes(cfg, rows, t, t, tp, backward=True)
+  # Backward: the peak is inside one layer's attention backward (naive: ~5-6 score-sized f32
+  # buffers, measured on XLA:CPU). Without remat every layer also keeps what its backward reads;
+  # with remat only its input, and the layer being differentiated recomputes its own.
+  attn = _attention_bytes(cfg, impl, rows, t, t, tp, backward=True, remat=plan.remat != "none")
   saved = rows * t * _saved_bytes_per_token(cfg, plan)
+  if impl == "naive":  # its backward reads the layer's f32 probabilities [B, H, T, T]
+    saved += rows * (cfg.num_heads // tp) * t * t * 4
   if plan.remat == "none":
     saved = cfg.num_layers * saved
   else:
@@ -306,7 +331,7 @@ def estimate_memory(
   if w.load < 1 or w.length < 1:
     raise ValueError(f"workload needs load >= 1 and length >= 1, got {w}")
   spec = spec or DEFAULT_SPEC
-  return _rollout(cfg, plan, w, spec) if w.stage == Stage.ROLLOUT else _scored(cfg, plan, w)
+  return _rollout(cfg, plan, w, spec) if w.stage == Stage.ROLLOUT else _scored(cfg, plan, w, spec)
 
 
 def _allreduce_seconds(spec: DeviceSpec, nbytes: float, t: int) -> float:

@@ -129,8 +129,15 @@ def test_resolve_rules():
   assert attention.resolve("auto", cached=True, seq_len=128) == "chunked"
   assert attention.resolve("cudnn", cached=True, seq_len=128) == "chunked"
   assert attention.resolve("naive", cached=False, seq_len=7) == "naive"
-  if jax.default_backend() == "cpu":
-    assert attention.resolve("auto", cached=False, seq_len=128) == "chunked"
+  # auto, per backend: the fused kernels where they apply; on CPU naive for one block's worth
+  # of keys (the chunked kernel's loops cost more than the scores there), chunked past it.
+  auto = lambda backend, t=128, **kw: attention.resolve(  # noqa: E731
+    "auto", cached=kw.get("cached", False), seq_len=t, block_size=256, backend=backend
+  )
+  assert (auto("tpu"), auto("gpu"), auto("gpu", 100)) == ("splash", "cudnn", "chunked")
+  assert (auto("cpu"), auto("cpu", 256), auto("cpu", 257)) == ("naive", "naive", "chunked")
+  assert auto("cpu", 64, cached=True) == "chunked"  # decoding into the cache: never all scores
+  assert attention.resolve("auto", cached=False, seq_len=8) == auto(jax.default_backend(), 8)
   with pytest.raises(ValueError, match="allowed"):
     attention.resolve("flash", cached=False, seq_len=8)
 

@@ -60,6 +60,8 @@ def test_rollout_prediction_matches_memory_analysis(mesh, length):
   _check(compiled, mm.estimate_memory(CFG, plan, w, mm.CPU_SPEC), f"rollout {mesh} S={length}")
 
 
+# On CPU, attention "auto" runs naive up to the attention block (512) and chunked past it: these
+# cover both.
 @pytest.mark.parametrize("mesh,length", [((8, 1, 1), 1024), ((2, 1, 4), 512), ((1, 1, 4), 256)])
 def test_reference_prediction_matches_memory_analysis(mesh, length):
   graphdef, state = _split(CFG)
@@ -67,7 +69,7 @@ def test_reference_prediction_matches_memory_analysis(mesh, length):
   lowered = programs.lower_score(plan, graphdef, state, bucket=(8, length), chunk_size=64)
   compiled = ex.MemoryStats.of(lowered.compile())
   w = mm.Workload(Stage.REFERENCE, load=8, length=length, logits_chunk=64)
-  _check(compiled, mm.estimate_memory(CFG, plan, w), f"reference {mesh} T={length}")
+  _check(compiled, mm.estimate_memory(CFG, plan, w, mm.CPU_SPEC), f"reference {mesh} T={length}")
 
 
 def pg_loss(remat: str, chunk: int) -> update.LossFn:
@@ -93,10 +95,12 @@ def abstract_update_inputs(cfg: ModelConfig, b: int, t: int):
   return jax.eval_shape(init), batch, optimizer
 
 
+@pytest.mark.parametrize("attention", ["auto", "chunked"])  # auto: naive on CPU at T 256
 @pytest.mark.parametrize("mesh,remat,mb", [((2, 4, 1), "none", 0), ((1, 1, 4), "full", 4)])
-def test_update_prediction_matches_memory_analysis(mesh, remat, mb):
-  graphdef, _ = _split(CFG)
-  train_state, batch, optimizer = abstract_update_inputs(CFG, 8, 256)
+def test_update_prediction_matches_memory_analysis(mesh, remat, mb, attention):
+  cfg = ModelConfig(**{**CFG.__dict__, "attention": attention})
+  graphdef, _ = _split(cfg)
+  train_state, batch, optimizer = abstract_update_inputs(cfg, 8, 256)
   plan = make_stage_plan(
     Stage.UPDATE, range(math.prod(mesh)), *mesh, remat=remat, micro_batch_size=mb
   )
@@ -105,7 +109,8 @@ def test_update_prediction_matches_memory_analysis(mesh, remat, mb):
   )
   compiled = ex.MemoryStats.of(lowered.compile())
   w = mm.Workload(Stage.UPDATE, load=8, length=256, logits_chunk=64)
-  _check(compiled, mm.estimate_memory(CFG, plan, w), f"update {mesh} remat={remat} mb={mb}")
+  predicted = mm.estimate_memory(cfg, plan, w, mm.CPU_SPEC)
+  _check(compiled, predicted, f"update {attention} {mesh} {remat} mb={mb}")
 
 
 def test_paper_scale_sizes():
