@@ -45,8 +45,8 @@ def _abstract_batch(b: int, t: int) -> batches.AdvantageBatch:
     loss_mask_BxT=sds(jnp.bool_), sampler_logps_BxT=f32,
     rewards_B=jax.ShapeDtypeStruct((b,), jnp.float32),
     group_ids_B=jax.ShapeDtypeStruct((b,), jnp.int32),
-    token_rewards_BxT=f32, answer_bits_BxT=sds(jnp.int32), ref_logps_BxT=f32, old_logps_BxT=f32,
-    advantages_BxT=f32,
+    token_rewards_BxT=f32, answer_bits_BxT=sds(jnp.int32), expert_bits_BxT=sds(jnp.int32),
+    ref_logps_BxT=f32, old_logps_BxT=f32, advantages_BxT=f32,
     returns_BxT=f32,
   )  # fmt: skip
 
@@ -88,7 +88,8 @@ def _run_times(graphdef, score, upd, optimizer, t: int, b: int, repeats: int):
   batch = batches.AdvantageBatch(
     tokens_BxT=tokens, positions_BxT=positions, valid_BxT=valid, loss_mask_BxT=valid,
     sampler_logps_BxT=f32, rewards_B=jnp.zeros((b,)), group_ids_B=jnp.zeros((b,), jnp.int32),
-    token_rewards_BxT=f32, answer_bits_BxT=jnp.full((b, t), -1, jnp.int32), ref_logps_BxT=f32,
+    token_rewards_BxT=f32, answer_bits_BxT=jnp.full((b, t), -1, jnp.int32),
+    expert_bits_BxT=jnp.zeros((b, t), jnp.int32), ref_logps_BxT=f32,
     old_logps_BxT=f32, advantages_BxT=jnp.ones((b, t), jnp.float32), returns_BxT=f32,
   )  # fmt: skip
 

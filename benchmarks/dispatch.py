@@ -156,7 +156,7 @@ def _trainer_moves(args: argparse.Namespace, ids: list[int]) -> list:
     tokens_BxT=bt(np.int32), positions_BxT=bt(np.int32), valid_BxT=bt(np.float32) > 0,
     loss_mask_BxT=bt(np.float32) > 0, sampler_logps_BxT=bt(np.float32),
     rewards_B=rng.standard_normal(b).astype(np.float32), group_ids_B=np.arange(b, dtype=np.int32),
-    token_rewards_BxT=bt(np.float32), answer_bits_BxT=bt(np.int32),
+    token_rewards_BxT=bt(np.float32), answer_bits_BxT=bt(np.int32), expert_bits_BxT=bt(np.int32),
     ref_logps_BxT=bt(np.float32), old_logps_BxT=bt(np.float32),
     advantages_BxT=bt(np.float32), returns_BxT=bt(np.float32),
   )  # fmt: skip

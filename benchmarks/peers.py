@@ -144,6 +144,7 @@ def _advantage_batch(d: dict[str, np.ndarray]) -> batches.AdvantageBatch:
     loss_mask_BxT=d["loss_mask"], sampler_logps_BxT=zeros,
     rewards_B=np.zeros((b,), np.float32), group_ids_B=np.zeros((b,), np.int32),
     token_rewards_BxT=zeros, answer_bits_BxT=np.full((b, t), -1, np.int32),
+    expert_bits_BxT=np.zeros((b, t), np.int32),
     ref_logps_BxT=zeros, old_logps_BxT=zeros,
     advantages_BxT=d["adv"], returns_BxT=zeros,
   )  # fmt: skip

@@ -116,6 +116,7 @@ def get_config() -> ml_collections.ConfigDict:
   rl.logp_chunk = 64  # sequence chunk of log-prob computation; divides rollout.seq_multiple
   rl.ppo_epochs = 1  # passes over each rollout batch (PPO epochs)
   rl.mini_batches = 1  # optimiser steps per pass; > 1 step in all makes the loop score pi_old
+  rl.imitation_steps = 0  # steps that record the expert's labels (rl.loss.imitation_coef); 0 = all
   a = rl.advantage = ml_collections.ConfigDict()
   a.estimator = "grpo"  # grpo | rloo | reinforce_pp (the EARL paper's)
   a.scale_by_std = True  # grpo: divide by the group std (False = Dr. GRPO)
@@ -134,6 +135,9 @@ def get_config() -> ml_collections.ConfigDict:
   lo.entropy_coef = 0.0  # entropy bonus weight
   lo.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum_norm
   lo.seq_sum_norm = config_dict.placeholder(int)  # seq_sum_norm constant; None = padded length
+  # Imitation term: -log pi(the env's scripted expert's answers) on the turns it labels (games:
+  # a win on offer, else a block), per policy token; needs sampler.restrict_answers. 0 = off.
+  lo.imitation_coef = 0.0
 
   o = c.optim = ml_collections.ConfigDict()
   o.learning_rate = 1e-5  # peak learning rate

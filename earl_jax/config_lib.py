@@ -150,10 +150,19 @@ class RLConfig:
   mini_batches: int = 1  # optimiser steps per pass (the batch is shuffled and split)
   advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
   loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+  # Steps whose rollouts record the env's expert labels for loss.imitation_coef (a warm-up: later
+  # steps have no labels, so the term is 0 and the run is pure RL); 0 = every step.
+  imitation_steps: int = 0
 
   def __post_init__(self):
     for key in ("num_groups", "group_size", "logp_chunk", "ppo_epochs", "mini_batches"):
       _require(getattr(self, key) >= 1, key, getattr(self, key), "a positive int")
+    _require(
+      isinstance(self.imitation_steps, int) and self.imitation_steps >= 0,
+      "imitation_steps",
+      self.imitation_steps,
+      "an int >= 0 (0: every step)",
+    )
     _require(
       self.batch_size % self.mini_batches == 0,
       "mini_batches",
@@ -169,6 +178,11 @@ class RLConfig:
   def optimizer_steps(self) -> int:
     """Optimiser steps per rollout batch; with 1, pi_old is the policy being updated."""
     return self.ppo_epochs * self.mini_batches
+
+  def imitating(self, step: int) -> bool:
+    """Whether step ``step``'s rollout records the expert labels of the imitation term."""
+    within = not self.imitation_steps or step < self.imitation_steps
+    return self.loss.imitation_coef > 0 and within
 
   @property
   def needs_ref_logps(self) -> bool:
@@ -356,6 +370,14 @@ class ExperimentConfig:
         "rollout.max_new_tokens",
         self.rollout.max_new_tokens,
         "1 with sampler.restrict_answers (each answer is exactly one token)",
+      )
+    if self.rl.loss.imitation_coef > 0:
+      _require(
+        self.sampler.restrict_answers and self.rollout.batching == "turn",
+        "rl.loss.imitation_coef",
+        self.rl.loss.imitation_coef,
+        "0 unless sampler.restrict_answers=True and rollout.batching='turn' (the expert labels "
+        "answers of the env's alphabet, turn by turn)",
       )
     if self.sampler.legal_answers:
       _require(

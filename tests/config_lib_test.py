@@ -224,6 +224,43 @@ def test_legal_answers_need_an_env_that_names_its_legal_moves(monkeypatch):
   assert err.value.key == "sampler.legal_answers"
 
 
+@pytest.mark.parametrize(
+  ("extra", "key", "fragment"),
+  [
+    ({"sampler": {"restrict_answers": False}}, "rl.loss.imitation_coef", "restrict_answers=True"),
+    ({"rollout": {"batching": "continuous"}}, "rl.loss.imitation_coef", "batching='turn'"),
+    ({"rl": {"imitation_steps": -1}}, "rl.imitation_steps", "an int >= 0"),
+    ({"rl": {"loss": {"imitation_coef": -0.1}}}, "rl.loss.imitation_coef", "non-negative"),
+  ],
+)
+def test_imitation_needs_restricted_answers_turn_batching_and_sane_values(extra, key, fragment):
+  imitating = _merged(_RESTRICTED, {"rl": {"loss": {"imitation_coef": 0.5}}})
+  cfg = config_lib.from_config_dict(_merged(imitating, {"rl": {"imitation_steps": 2}}))
+  assert [cfg.rl.imitating(step) for step in range(3)] == [True, True, False]
+  assert config_lib.from_config_dict(imitating).rl.imitating(10**6)  # 0: every step
+  assert not config_lib.from_config_dict(_RESTRICTED).rl.imitating(0)  # coef 0: never
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.from_config_dict(_merged(imitating, extra))
+  assert err.value.key == key and fragment in str(err.value)
+
+
+def test_imitation_needs_an_env_with_a_scripted_expert(monkeypatch):
+  from earl_jax import model as model_lib
+  from earl_jax.rl import preflight
+
+  cfg = config_lib.from_config_dict(_merged(_RESTRICTED, {"rl": {"loss": {"imitation_coef": 1.0}}}))
+  tok = model_lib.CharTokenizer()
+  assert len(preflight.answer_token_ids(cfg, tok)) == 7
+
+  class NoExpert:
+    answer_alphabet = tuple("0123")
+
+  monkeypatch.setattr(config_lib.EnvConfig, "make", lambda self, **kw: NoExpert())
+  with pytest.raises(config_lib.ConfigError, match="no scripted expert") as err:
+    preflight.answer_token_ids(cfg, tok)
+  assert err.value.key == "rl.loss.imitation_coef"
+
+
 def test_restricted_answers_are_the_move_token_ids(monkeypatch):
   from earl_jax import model as model_lib
   from earl_jax.rl import preflight

@@ -13,7 +13,9 @@ An env whose every acceptable answer comes from a small fixed set (a game's move
 as ``answer_alphabet`` (a tuple of strings; None or absent otherwise): a run with
 ``sampler.restrict_answers`` then decodes one token of that set per turn. If it also knows which
 of them are legal now, it exposes ``legal_answer_bits()`` (an int, bit j set: answer j is legal),
-and ``sampler.legal_answers`` decodes only those (action masking).
+and ``sampler.legal_answers`` decodes only those (action masking). An env with a scripted expert
+may also expose ``expert_answer_bits()`` (the same kind of mask: the answers the expert would give
+now, 0 for no opinion), the labels of the imitation term (``rl.loss.imitation_coef``).
 """
 
 from __future__ import annotations

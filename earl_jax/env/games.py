@@ -360,6 +360,18 @@ class GameEnv:
       return 0
     return sum(1 << a for a in self._state.legal_actions())
 
+  def expert_answer_bits(self) -> int:
+    """What a one-ply tactician would answer now, as a mask over ``answer_alphabet``: the moves
+    that win at once if there are any, else the moves that block a cell where the opponent would
+    win next, else 0 (no opinion: a quiet position). The labels of the imitation term
+    (``rl.loss.imitation_coef``); the same tactics as ``info["tactic"]``."""
+    if self._state is None:
+      raise RuntimeError("GameEnv.expert_answer_bits read before reset(seed)")
+    if self._state.is_terminal():
+      return 0
+    moves = opponents.winning_moves(self._state) or opponents.blocking_moves(self._state)
+    return sum(1 << a for a in moves)
+
   @property
   def state(self) -> pyspiel.State:
     """A copy of the current OpenSpiel state (for scripted policies and tests)."""

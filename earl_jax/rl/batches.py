@@ -40,6 +40,7 @@ _DTYPES: dict[str, np.dtype] = {
   "group_ids_B": np.dtype(np.int32),
   "token_rewards_BxT": np.dtype(np.float32),
   "answer_bits_BxT": np.dtype(np.int32),
+  "expert_bits_BxT": np.dtype(np.int32),
   "ref_logps_BxT": np.dtype(np.float32),
   "old_logps_BxT": np.dtype(np.float32),
   "advantages_BxT": np.dtype(np.float32),
@@ -155,6 +156,10 @@ class RolloutBatch(_BatchMixin):
     answer_bits_BxT: int32 [B, T]. On a token sampled under ``sampler.legal_answers``, the mask of
       the answers that were legal (bit j: the j-th answer of the env's alphabet); the scorer
       restricts that token's distribution to them, as the sampler did. -1 (every bit) elsewhere.
+    expert_bits_BxT: int32 [B, T]. On an answer token of a turn where the env's scripted expert
+      had an opinion (``env.expert_answer_bits()``, recorded while ``rl.loss.imitation_coef`` > 0
+      and within ``rl.imitation_steps``), the mask of the answers it would have given: the labels
+      of the imitation term. 0 (no label) elsewhere.
   """
 
   tokens_BxT: Array
@@ -166,6 +171,7 @@ class RolloutBatch(_BatchMixin):
   group_ids_B: Array
   token_rewards_BxT: Array
   answer_bits_BxT: Array
+  expert_bits_BxT: Array
 
   @classmethod
   def create(
@@ -173,16 +179,25 @@ class RolloutBatch(_BatchMixin):
     *,
     token_rewards_BxT: Array | None = None,
     answer_bits_BxT: Array | None = None,
+    expert_bits_BxT: Array | None = None,
     **fields: Array,
   ) -> RolloutBatch:
     """Builds a batch; ``token_rewards_BxT=None`` means no per-turn rewards (zeros),
-    ``answer_bits_BxT=None`` no per-turn answer masks (-1)."""
+    ``answer_bits_BxT=None`` no per-turn answer masks (-1), ``expert_bits_BxT=None`` no expert
+    labels (0)."""
     shape = np.shape(fields["tokens_BxT"])
     if token_rewards_BxT is None:
       token_rewards_BxT = jnp.zeros(shape, jnp.float32)
     if answer_bits_BxT is None:
       answer_bits_BxT = jnp.full(shape, -1, jnp.int32)
-    return cls(token_rewards_BxT=token_rewards_BxT, answer_bits_BxT=answer_bits_BxT, **fields)
+    if expert_bits_BxT is None:
+      expert_bits_BxT = jnp.zeros(shape, jnp.int32)
+    return cls(
+      token_rewards_BxT=token_rewards_BxT,
+      answer_bits_BxT=answer_bits_BxT,
+      expert_bits_BxT=expert_bits_BxT,
+      **fields,
+    )
 
 
 @flax.struct.dataclass(kw_only=True)

@@ -168,7 +168,11 @@ class Trainer:
       with timer("sync"):
         params, sync_stats = stages.rollout_weights()
       with timer("rollout"):
-        return stages.rollout(params, self.episodes(step), self.envs, self.fmt, rng), sync_stats
+        expert = cfg.rl.imitating(step)  # the imitation term's labels, while it is on
+        result = stages.rollout(
+          params, self.episodes(step), self.envs, self.fmt, rng, expert_answers=expert
+        )
+        return result, sync_stats
 
     result, sync_stats = self._retrying(Stage.ROLLOUT, slots, self._context_length, step, play)
     self._context_length = length = result.batch.tokens_BxT.shape[1]

@@ -49,6 +49,9 @@ class LossConfig:
   aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
   seq_sum_norm: int | None = None  # SEQ_SUM_NORM's constant (e.g. max generation length);
   # None = the padded length T, which changes with the length bucket
+  # Weight of the imitation term: -log pi(expert's answers) summed over the answer tokens the env's
+  # scripted expert labelled (RolloutBatch.expert_bits_BxT), per policy token (rl/objective.py).
+  imitation_coef: float = 0.0
 
   def __post_init__(self):
     for key in ("clip_eps_low", "clip_eps_high"):
@@ -57,7 +60,7 @@ class LossConfig:
         raise ConfigError(key, value, "a float in [0, 1)")
     if self.dual_clip is not None and not self.dual_clip > 1.0:
       raise ConfigError("dual_clip", self.dual_clip, "None (off) or a float > 1")
-    for key in ("kl_beta", "entropy_coef"):
+    for key in ("kl_beta", "entropy_coef", "imitation_coef"):
       value = getattr(self, key)
       if not value >= 0.0:
         raise ConfigError(key, value, "a non-negative float")

@@ -4,6 +4,11 @@ Data flow: ``rl/update.update_step`` calls ``Objective.totals`` once on the whol
 the objective itself, ``(model, micro, totals) -> (loss, metrics)``, under ``jax.grad`` for each
 micro-batch. The log-probs are the reference scorer's chunked computation, so the update stage
 never materialises the [B, T, V] logits either, and each chunk is recomputed in the backward pass.
+
+With ``rl.loss.imitation_coef`` > 0 the loss adds an imitation term: on every answer token whose
+turn the env's scripted expert labelled (``RolloutBatch.expert_bits_BxT``), -log of the policy's
+probability of answering as the expert would (any of its answers). The labels are taken in the
+positions the policy itself reached, as in DAgger, not in the expert's own games.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from earl_jax.rl import losses, reference
@@ -31,6 +37,8 @@ class Objective:
   ``allowed``: the sampler's restriction of every answer token to these ids (``Restricted``), so
   the policy differentiated is the one that sampled; with ``per_row``, each answer token among
   the answers its turn allowed (the batch's ``answer_bits_BxT``, ``sampler.legal_answers``).
+  ``loss.imitation_coef`` > 0 adds the imitation term (``imitation_loss``) on the answer tokens the
+  env's scripted expert labelled (the batch's ``expert_bits_BxT``; needs ``allowed``).
   """
 
   loss: losses.LossConfig
@@ -48,7 +56,8 @@ class Objective:
   def __call__(
     self, model: nnx.Module, batch: AdvantageBatch, totals: losses.Totals
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    new_logps_BxT, entropy_BxT = reference.token_logps(
+    imitating = self.loss.imitation_coef > 0
+    scored = reference.scores(
       model,
       batch.tokens_BxT,
       batch.positions_BxT,
@@ -58,11 +67,29 @@ class Objective:
       remat=self.remat,
       allowed=self.allowed,
       answer_bits_BxT=batch.answer_bits_BxT if self.per_row else None,
+      expert_bits_BxT=batch.expert_bits_BxT if imitating else None,
     )
+    new_logps_BxT, entropy_BxT = scored.logps_BxT, scored.entropy_BxT
     old_BxT = jax.lax.stop_gradient(new_logps_BxT) if self.old_from_new else None
     loss, metrics = losses.policy_loss(
       new_logps_BxT, batch, self.loss, entropy_BxT, totals=totals, old_logps_BxT=old_BxT
     )
     if not self.reference_scored:
       metrics.pop("kl_ref")
+    if imitating:
+      imitation, labelled = imitation_loss(scored.expert_logps_BxT, batch, totals)
+      loss = loss + self.loss.imitation_coef * imitation
+      metrics["imitation_loss"] = jax.lax.stop_gradient(imitation)
+      metrics["imitation_tokens"] = labelled
     return loss, metrics
+
+
+def imitation_loss(
+  expert_logps_BxT: jax.Array, batch: AdvantageBatch, totals: losses.Totals
+) -> tuple[jax.Array, jax.Array]:
+  """(-sum of log pi(expert's answers) over the labelled answer tokens / the batch's policy
+  tokens, labelled tokens): these rows' contribution to the whole batch's term, so micro-batch
+  parts add up to it exactly, on the same scale as a token-mean policy loss."""
+  labelled_BxT = batch.loss_mask_BxT & (batch.expert_bits_BxT > 0)
+  nll = -jnp.sum(jnp.where(labelled_BxT, expert_logps_BxT, 0.0))
+  return nll / jnp.maximum(totals.tokens, 1.0), jnp.sum(labelled_BxT.astype(jnp.float32))

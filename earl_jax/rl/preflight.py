@@ -120,7 +120,8 @@ class RunSetup:
 def answer_alphabet(cfg: config_lib.ExperimentConfig) -> tuple[str, ...]:
   """The env's ``answer_alphabet`` under ``sampler.restrict_answers`` (``()`` without it), after
   the checks that need no tokenizer: the env has one, and under ``sampler.legal_answers`` it
-  names its legal answers and has at most ``sampling.MAX_ANSWERS``; ConfigError otherwise."""
+  names its legal answers (under ``rl.loss.imitation_coef``, its expert's) and has at most
+  ``sampling.MAX_ANSWERS``; ConfigError otherwise."""
   if not cfg.sampler.restrict_answers:
     return ()
   env = cfg.env.make()
@@ -138,6 +139,19 @@ def answer_alphabet(cfg: config_lib.ExperimentConfig) -> tuple[str, ...]:
       "sampler.legal_answers",
       True,
       f"False: {len(alphabet)} answers, a per-turn answer mask holds <= {sampling.MAX_ANSWERS}",
+    )
+  imitating = cfg.rl.loss.imitation_coef > 0
+  if imitating and not callable(getattr(env, "expert_answer_bits", None)):
+    raise config_lib.ConfigError(
+      "rl.loss.imitation_coef",
+      cfg.rl.loss.imitation_coef,
+      f"0: env {cfg.env.name!r} has no scripted expert (expert_answer_bits)",
+    )
+  if imitating and len(alphabet) > sampling.MAX_ANSWERS:
+    raise config_lib.ConfigError(
+      "rl.loss.imitation_coef",
+      cfg.rl.loss.imitation_coef,
+      f"0: {len(alphabet)} answers, the expert's answer mask holds <= {sampling.MAX_ANSWERS}",
     )
   return tuple(alphabet)
 

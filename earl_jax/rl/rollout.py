@@ -114,6 +114,7 @@ class _Episode:
   loss_mask: list[bool] = dataclasses.field(default_factory=list)
   logps: list[float] = dataclasses.field(default_factory=list)
   answer_bits: list[int] = dataclasses.field(default_factory=list)  # per token, -1: unrestricted
+  expert_bits: list[int] = dataclasses.field(default_factory=list)  # per token, 0: no label
   turn_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (index, r)
   pending: list[int] = dataclasses.field(default_factory=list)  # context to prefill next turn
 
@@ -151,6 +152,7 @@ def run_rollout(
   pad_id: int,
   resize: Callable[[Any, int], Any] | None = None,
   legal_answers: bool = False,
+  expert_answers: bool = False,
 ) -> tuple[RolloutResult, Any]:
   """Plays every episode in ``episodes``, ``cfg.num_slots`` at a time; returns the packed batch.
 
@@ -171,6 +173,8 @@ def run_rollout(
     legal_answers: ``generate`` takes a 7th argument, each row's answer mask for this turn
       (``env.legal_answer_bits()``: the legal moves among the env's ``answer_alphabet``), and
       the batch records it on the turn's tokens (``RolloutBatch.answer_bits_BxT``).
+    expert_answers: the batch records each turn's ``env.expert_answer_bits()`` (read before the
+      turn is played) on its tokens (``RolloutBatch.expert_bits_BxT``): the imitation labels.
 
   Returns:
     (RolloutResult, cache) — the cache is handed back so the next step can reuse its buffers.
@@ -201,7 +205,10 @@ def run_rollout(
       out, cache = generate(cache, prompt, mask, positions, active, key)
     out = jax.device_get(out)  # B x max_new_tokens ids and log-probs: the host needs the text
     calls += 1
-    generated += _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done, bits)
+    expert = None
+    if expert_answers:
+      expert = [e.expert_answer_bits() if s else 0 for s, e in zip(slots, envs)]
+    generated += _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done, bits, expert)
   records = [done[i] for i in range(len(episodes))]
   batch = _pack(records, cfg, pad_id)
   result = RolloutResult(
@@ -363,16 +370,18 @@ def _fill_slots(slots, queue, envs, fmt, cfg, cache_len, done) -> np.ndarray:
   return reset
 
 
-def _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done, bits=None) -> int:
+def _apply_outputs(slots, out, envs, fmt, cfg, cache_len, done, bits=None, expert=None) -> int:
   """Steps each busy slot's env on its reply; frees the slots whose episode ended. Returns the
-  tokens generated this call. ``bits``: each row's answer mask of this turn, if any."""
+  tokens generated this call. ``bits``, ``expert``: each row's answer mask and expert labels of
+  this turn, if any."""
   generated = 0
   for i, slot in enumerate(slots):
     if slot is None:
       continue
     index, ep = slot
     generated += int(out.lengths_B[i])
-    finished = _apply_turn(ep, envs[i], fmt, out, i, cfg, -1 if bits is None else int(bits[i]))
+    marks = (-1 if bits is None else int(bits[i]), 0 if expert is None else int(expert[i]))
+    finished = _apply_turn(ep, envs[i], fmt, out, i, cfg, *marks)
     if not finished and not _fits(ep, cfg, cache_len):
       _finish(ep, "truncated", truncated=True)
       finished = True
@@ -416,26 +425,37 @@ def _chunk_rows(eps: Sequence[_Episode | None], rows: int, cfg: RolloutConfig, p
 
 
 def _apply_turn(
-  ep: _Episode, env: Env, fmt: TurnFormat, out: Any, i: int, cfg: RolloutConfig, bits: int
+  ep: _Episode,
+  env: Env,
+  fmt: TurnFormat,
+  out: Any,
+  i: int,
+  cfg: RolloutConfig,
+  bits: int,
+  expert: int = 0,
 ) -> bool:
   """Records the prefilled chunk and the sampled turn, steps the env; True if the episode ended."""
   n = int(out.lengths_B[i])
   ids = [int(t) for t in out.tokens_BxN[i, :n]]
-  _record_turn(ep, ids, [float(x) for x in out.logps_BxN[i, :n]], bits)
+  _record_turn(ep, ids, [float(x) for x in out.logps_BxN[i, :n]], bits, expert)
   return _after_step(ep, env.step(fmt.action_text(ids)), fmt, cfg, bool(out.stopped_B[i]))
 
 
-def _record_turn(ep: _Episode, ids: list[int], logps: list[float], bits: int = -1) -> None:
+def _record_turn(
+  ep: _Episode, ids: list[int], logps: list[float], bits: int = -1, expert: int = 0
+) -> None:
   """Appends the prefilled chunk (no loss) and the sampled turn (loss, sampler log-probs, the
-  turn's answer mask)."""
+  turn's answer mask and expert labels)."""
   ep.tokens += ep.pending
   ep.loss_mask += [False] * len(ep.pending)
   ep.logps += [0.0] * len(ep.pending)
   ep.answer_bits += [-1] * len(ep.pending)
+  ep.expert_bits += [0] * len(ep.pending)
   ep.tokens += ids
   ep.loss_mask += [True] * len(ids)
   ep.logps += logps
   ep.answer_bits += [bits] * len(ids)
+  ep.expert_bits += [expert] * len(ids)
   ep.stats.turns += 1
 
 
@@ -475,9 +495,11 @@ def _pack(records: Sequence[_Episode], cfg: RolloutConfig, pad_id: int) -> batch
   logps = np.zeros((e, t), np.float32)
   token_rewards = np.zeros((e, t), np.float32)
   answer_bits = np.full((e, t), -1, np.int32)
+  expert_bits = np.zeros((e, t), np.int32)
   for j, r in enumerate(records):
     n = len(r.tokens)
     answer_bits[j, :n] = r.answer_bits
+    expert_bits[j, :n] = r.expert_bits
     tokens[j, :n], valid[j, :n], loss_mask[j, :n], logps[j, :n] = (
       r.tokens,
       True,
@@ -497,4 +519,5 @@ def _pack(records: Sequence[_Episode], cfg: RolloutConfig, pad_id: int) -> batch
     group_ids_B=np.asarray([r.spec.group_id for r in records], np.int32),
     token_rewards_BxT=token_rewards,
     answer_bits_BxT=answer_bits,
+    expert_bits_BxT=expert_bits,
   )

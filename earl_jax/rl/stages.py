@@ -229,8 +229,10 @@ class StageResources:
     rng: jax.Array,
     *,
     evaluation: bool = False,
+    expert_answers: bool = False,
   ) -> rollout.RolloutResult:
-    """Plays ``episodes`` on ``envs`` with ``params`` (from ``rollout_weights``)."""
+    """Plays ``episodes`` on ``envs`` with ``params`` (from ``rollout_weights``); with
+    ``expert_answers``, the batch records the envs' expert labels (the imitation term's)."""
     spec = self.spec(evaluation=evaluation)
     slots = self._slots(self.plans[Stage.ROLLOUT])
     # The cache starts at the bucket the last training rollout filled and grows when episodes
@@ -238,6 +240,8 @@ class StageResources:
     cache = self._resize_kv_cache(self.kv_cache, self._cache_need)
     rc = dataclasses.replace(self.cfg.rollout, num_slots=slots)
     common = dict(pad_id=self.tokenizer.pad_id, resize=self._resize_kv_cache)
+    if expert_answers and rc.batching != "turn":
+      raise ValueError("expert labels are recorded turn by turn: rollout.batching must be 'turn'")
     if rc.batching == "continuous":
       slot_programs = self._slot_programs(spec)
       state = slot_programs.new_state(cache, self.model_cfg.padded_vocab_size, rng)
@@ -256,6 +260,7 @@ class StageResources:
         rc,
         rng,
         legal_answers=self.cfg.sampler.legal_answers,
+        expert_answers=expert_answers,
         **common,
       )
     if not evaluation:

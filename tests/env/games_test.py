@@ -341,6 +341,34 @@ def test_each_move_names_its_tactic_and_tactic_reward_pays_wins_taken_and_blocks
   assert env.step("<move>9</move>").info["tactic"] is None
 
 
+def test_expert_answer_bits_are_the_moves_that_make_the_tactic_and_none_in_quiet_positions():
+  env = _env()
+  env.reset(0)
+  for m in (5, 6, 5):  # the first_legal opponent stacks column 0: three of theirs there
+    assert env.expert_answer_bits() == 0  # quiet: no win, no threat
+    env.step(f"<move>{m}</move>")
+  assert env.expert_answer_bits() == 1 << 0  # the block
+  env.reset(0)
+  for m in (3, 3, 3):
+    env.step(f"<move>{m}</move>")
+  assert env.expert_answer_bits() == 1 << 3  # the win comes before the block in column 0
+  # Over random games, a move is in the mask exactly when it takes a win or makes a block.
+  rng = np.random.RandomState(0)
+  env = env_lib.make("connect_four", opponent="random", parse_mode="lenient")
+  labelled = 0
+  for seed in range(30):
+    env.reset(seed)
+    result = None
+    while result is None or not result.done:
+      bits, move = env.expert_answer_bits(), int(rng.choice(env.state.legal_actions()))
+      result = env.step(str(move))
+      assert (bits >> move & 1 == 1) == (result.info["tactic"] in ("win_taken", "block_made"))
+      assert (bits == 0) == (result.info["tactic"] is None)
+      labelled += bits != 0
+  assert labelled >= 20
+  assert env.expert_answer_bits() == 0  # game over
+
+
 def test_lines_observation_names_each_columns_lines():
   env = env_lib.make(
     "connect_four", observation="lines", model_side="second", opponent="first_legal"

@@ -55,6 +55,7 @@ def random_scored_batch(
     group_ids_B=np.asarray(group_ids, np.int32),
     token_rewards_BxT=token_rewards,
     answer_bits_BxT=np.full((b, t), -1, np.int32),
+    expert_bits_BxT=np.zeros((b, t), np.int32),
   )
   return batches.ScoredBatch.from_rollout(rb, ref_logps_BxT=logps(), old_logps_BxT=logps())
 

@@ -212,15 +212,18 @@ def test_restricted_answers_sample_and_score_only_the_moves(tmp_path, monkeypatc
 def test_legal_answers_play_only_legal_moves_and_score_them_as_sampled(tmp_path, monkeypatch):
   """sampler.legal_answers: every answer is one of the moves legal on its turn (no invalid move
   in training or evaluation, an untrained policy included), the batch carries each turn's mask,
-  and the reference scores every answer under that mask exactly as the sampler drew it."""
+  and the reference scores every answer under that mask exactly as the sampler drew it. With
+  the imitation term on, the batch also carries the env's expert labels of each turn, and the
+  update counts them."""
   import numpy as np
 
   c = tiny_config(num_steps=1, eval_every=1)
+  loss = dataclasses.replace(c.rl.loss, kl_beta=0.01, imitation_coef=0.5)
   cfg = dataclasses.replace(
     c,
     sampler=dataclasses.replace(c.sampler, restrict_answers=True, legal_answers=True),
     rollout=dataclasses.replace(c.rollout, max_new_tokens=1),
-    rl=dataclasses.replace(c.rl, loss=dataclasses.replace(c.rl.loss, kl_beta=0.01)),
+    rl=dataclasses.replace(c.rl, loss=loss, imitation_steps=1),
   )
   seen, real = [], stages.StageResources.score
   monkeypatch.setattr(
@@ -233,6 +236,12 @@ def test_legal_answers_play_only_legal_moves_and_score_them_as_sampled(tmp_path,
     "legal_answer_bits",
     lambda env: legal_bits(env) & ~(0b11 << len(env.state.history()) % 6),
   )
+  # An expert with an opinion on every other turn (4 turns rarely hold a real threat).
+  monkeypatch.setattr(
+    games.GameEnv,
+    "expert_answer_bits",
+    lambda env: 0b101 << len(env.state.history()) % 4 if len(env.state.history()) % 4 else 0,
+  )
   trainer = loop.Trainer(cfg, tmp_path)
   (row,) = trainer.run()
   ((batch, scored),) = seen
@@ -243,6 +252,11 @@ def test_legal_answers_play_only_legal_moves_and_score_them_as_sampled(tmp_path,
   column = {t: j for j, t in enumerate(trainer.stages.answer_ids)}
   moves = np.asarray([column[int(t)] for t in np.asarray(batch.tokens_BxT)[answers]])
   assert ((bits[answers] >> moves) & 1 == 1).all()  # each answer legal under its own mask
+  expert = np.asarray(batch.expert_bits_BxT)
+  assert (expert[~answers] == 0).all() and (expert[answers] > 0).sum() > 0
+  assert (expert[answers] == 0).sum() > 0  # turns without an opinion stay unlabelled
+  assert row["update/imitation_tokens"] == (expert[answers] > 0).sum()
+  assert row["update/imitation_loss"] > 0
   np.testing.assert_allclose(
     np.asarray(scored.ref_logps_BxT)[answers], np.asarray(batch.sampler_logps_BxT)[answers],
     atol=2e-5,

@@ -92,3 +92,70 @@ def test_ppo_epochs_and_mini_batches_are_sequential_optimizer_steps():
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0), state.params, manual.params
   )
+
+
+def _expert_batch(b: int = 8):
+  """``_batch`` with every policy token an answer of a 4-id alphabet, all legal, and expert labels
+  on about half of them (a random non-empty subset of the alphabet)."""
+  batch, rng = _batch(b=b), np.random.default_rng(11)
+  mask = np.asarray(batch.loss_mask_BxT)
+  answers = rng.integers(0, 4, size=mask.shape)
+  tokens = np.where(mask, np.asarray(_ALLOWED)[answers], batch.tokens_BxT).astype(np.int32)
+  labels = rng.integers(1, 16, size=mask.shape) * (rng.random(mask.shape) < 0.5)
+  return batch.replace(
+    tokens_BxT=jnp.asarray(tokens),
+    expert_bits_BxT=jnp.asarray(np.where(mask, labels, 0), jnp.int32),
+  )
+
+
+_ALLOWED = (3, 7, 19, 30)
+
+
+@pytest.mark.parametrize("micro", [1, 2, 8])
+def test_imitation_term_adds_coef_times_expert_nll_per_policy_token(micro):
+  """loss(imitation_coef=c) = loss(0) + c * (-sum over labelled tokens of log pi(expert's
+  answers)) / policy tokens, whole or in micro-batches; unlabelled tokens add nothing."""
+  batch = _expert_batch()
+  cfg = losses.LossConfig(kl_beta=0.05)
+  plain = objective.Objective(cfg, chunk_size=8, allowed=_ALLOWED, old_from_new=True)
+  imitating = objective.Objective(
+    losses.LossConfig(kl_beta=0.05, imitation_coef=0.5), chunk_size=8, allowed=_ALLOWED,
+    old_from_new=True,
+  )  # fmt: skip
+  _, m_plain = _run(plain, batch, num_micro_batches=micro)
+  _, m_imit = _run(imitating, batch, num_micro_batches=micro)
+  graphdef, state = _state()
+  out = reference.scores(
+    nnx.merge(graphdef, state.params), batch.tokens_BxT, batch.positions_BxT, batch.valid_BxT,
+    chunk_size=8, allowed=_ALLOWED, expert_bits_BxT=batch.expert_bits_BxT,
+  )  # fmt: skip
+  labelled = np.asarray(batch.loss_mask_BxT) & (np.asarray(batch.expert_bits_BxT) > 0)
+  nll = -np.asarray(out.expert_logps_BxT)[labelled].sum() / np.asarray(batch.loss_mask_BxT).sum()
+  assert nll > 0.05
+  assert float(m_imit["imitation_loss"]) == pytest.approx(nll, rel=1e-5)
+  assert float(m_imit["imitation_tokens"]) == labelled.sum()
+  assert float(m_imit["loss"]) == pytest.approx(float(m_plain["loss"]) + 0.5 * nll, rel=1e-5)
+  assert "imitation_loss" not in m_plain
+
+
+def test_imitation_gradient_moves_probability_onto_the_experts_answers():
+  """With zero advantages and no KL the update is the imitation gradient alone: one small SGD
+  step raises log pi(expert's answers) on the labelled tokens, and leaves the rest of the loss 0."""
+  batch = _expert_batch()
+  batch = batch.replace(advantages_BxT=jnp.zeros_like(batch.advantages_BxT))
+  obj = objective.Objective(
+    losses.LossConfig(imitation_coef=1.0), chunk_size=8, allowed=_ALLOWED, old_from_new=True
+  )
+  sgd = optax.apply_if_finite(optax.sgd(0.1), 10)
+  graphdef, state = _state(sgd)
+  new_state, metrics = _run(obj, batch, sgd)
+  assert float(metrics["pg_loss"]) == 0.0 and float(metrics["grad_norm"]) > 0
+
+  def expert_nll(params):
+    out = reference.scores(
+      nnx.merge(graphdef, params), batch.tokens_BxT, batch.positions_BxT, batch.valid_BxT,
+      chunk_size=8, allowed=_ALLOWED, expert_bits_BxT=batch.expert_bits_BxT,
+    )  # fmt: skip
+    return -float(jnp.sum(out.expert_logps_BxT))
+
+  assert expert_nll(new_state.params) < expert_nll(state.params) - 0.05

@@ -108,6 +108,38 @@ def test_answer_bits_score_each_token_among_the_answers_legal_on_its_turn(model)
   np.testing.assert_allclose(unmasked, whole, atol=1e-6)  # -1: the whole alphabet
 
 
+def test_expert_logps_are_the_mass_on_the_experts_answers_among_the_legal_ones(model):
+  """``expert_bits_BxT`` on token t: log of the probability, under the distribution t is drawn
+  from (its turn's legal answers), of any of the expert's answers; 0 where there is no label."""
+  allowed = (3, 5, 11, 40)
+  tokens, positions, valid = _batch([10, 7], 12, seed=4)
+  rng = np.random.default_rng(7)
+  legal = rng.integers(1, 16, size=tokens.shape).astype(np.int32)
+  expert = legal & rng.integers(0, 16, size=tokens.shape).astype(np.int32)  # a subset, or none
+  assert (expert == 0).any() and (expert != 0).any()
+  low = np.asarray([[int(b & -b).bit_length() - 1 for b in row] for row in legal])
+  tokens = jnp.asarray(np.asarray(allowed)[low] * np.asarray(valid), jnp.int32)
+  out = reference.scores(
+    model, tokens, positions, valid, chunk_size=4, allowed=allowed, answer_bits_BxT=legal,
+    expert_bits_BxT=expert,
+  )  # fmt: skip
+  logps, _ = reference.token_logps(
+    model, tokens, positions, valid, chunk_size=4, allowed=allowed, answer_bits_BxT=legal
+  )
+  np.testing.assert_array_equal(out.logps_BxT, logps)  # the same pass
+  z = np.asarray(model_lib.logits(model, tokens))[..., list(allowed)]
+  for b in range(tokens.shape[0]):
+    n = int(valid[b].sum())
+    for i in range(1, n):
+      p = np.where([legal[b, i] >> j & 1 for j in range(4)], np.exp(z[b, i - 1]), 0.0)
+      on = [expert[b, i] >> j & 1 == 1 for j in range(4)]
+      want = np.log(p[on].sum() / p.sum()) if any(on) else 0.0
+      np.testing.assert_allclose(out.expert_logps_BxT[b, i], want, atol=2e-5)
+    assert (np.asarray(out.expert_logps_BxT[b, n:]) == 0).all()
+  with pytest.raises(TypeError, match="scores"):
+    reference.token_logps(model, tokens, positions, valid, chunk_size=4, expert_bits_BxT=expert)
+
+
 def test_gradients_flow_through_chunks(model):
   tokens, positions, valid = _batch([8, 5], 8, seed=2)
   graphdef, state = nnx.split(model)
