@@ -170,6 +170,12 @@ _RESTRICTED = {
 }
 
 
+def _assert_config_error(values: dict, key: str, fragment: str) -> None:
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.from_config_dict(values)
+  assert err.value.key == key and fragment in str(err.value)
+
+
 def _merged(base: dict, extra: dict) -> dict:
   out = dict(base)
   for k, v in extra.items():
@@ -187,9 +193,7 @@ def _merged(base: dict, extra: dict) -> dict:
 )
 def test_restricted_answers_need_bare_one_token_moves(extra, key, fragment):
   assert config_lib.from_config_dict(_RESTRICTED).sampler.restrict_answers
-  with pytest.raises(config_lib.ConfigError) as err:
-    config_lib.from_config_dict(_merged(_RESTRICTED, extra))
-  assert err.value.key == key and fragment in str(err.value)
+  _assert_config_error(_merged(_RESTRICTED, extra), key, fragment)
 
 
 @pytest.mark.parametrize(
@@ -202,26 +206,7 @@ def test_restricted_answers_need_bare_one_token_moves(extra, key, fragment):
 def test_legal_answers_need_restricted_answers_and_turn_batching(extra, key, fragment):
   legal = _merged(_RESTRICTED, {"sampler": {"legal_answers": True}})
   assert config_lib.from_config_dict(legal).sampler.make(answer_ids=(4, 5)).per_row
-  with pytest.raises(config_lib.ConfigError) as err:
-    config_lib.from_config_dict(_merged(legal, extra))
-  assert err.value.key == key and fragment in str(err.value)
-
-
-def test_legal_answers_need_an_env_that_names_its_legal_moves(monkeypatch):
-  from earl_jax import model as model_lib
-  from earl_jax.rl import preflight
-
-  cfg = config_lib.from_config_dict(_merged(_RESTRICTED, {"sampler": {"legal_answers": True}}))
-  tok = model_lib.CharTokenizer()
-  assert len(preflight.answer_token_ids(cfg, tok)) == 7
-
-  class NoLegality:
-    answer_alphabet = tuple("0123")
-
-  monkeypatch.setattr(config_lib.EnvConfig, "make", lambda self, **kw: NoLegality())
-  with pytest.raises(config_lib.ConfigError, match="does not say which are legal") as err:
-    preflight.answer_token_ids(cfg, tok)
-  assert err.value.key == "sampler.legal_answers"
+  _assert_config_error(_merged(legal, extra), key, fragment)
 
 
 @pytest.mark.parametrize(
@@ -239,26 +224,32 @@ def test_imitation_needs_restricted_answers_turn_batching_and_sane_values(extra,
   assert [cfg.rl.imitating(step) for step in range(3)] == [True, True, False]
   assert config_lib.from_config_dict(imitating).rl.imitating(10**6)  # 0: every step
   assert not config_lib.from_config_dict(_RESTRICTED).rl.imitating(0)  # coef 0: never
-  with pytest.raises(config_lib.ConfigError) as err:
-    config_lib.from_config_dict(_merged(imitating, extra))
-  assert err.value.key == key and fragment in str(err.value)
+  _assert_config_error(_merged(imitating, extra), key, fragment)
 
 
-def test_imitation_needs_an_env_with_a_scripted_expert(monkeypatch):
+@pytest.mark.parametrize(
+  ("option", "key", "message"),
+  [
+    ({"sampler": {"legal_answers": True}}, "sampler.legal_answers", "does not say which are legal"),
+    ({"rl": {"loss": {"imitation_coef": 1.0}}}, "rl.loss.imitation_coef", "no scripted expert"),
+  ],
+)
+def test_legal_answers_and_imitation_need_an_env_that_knows_them(monkeypatch, option, key, message):
+  """Legal moves need an env that names them; the imitation term an env with a scripted expert."""
   from earl_jax import model as model_lib
   from earl_jax.rl import preflight
 
-  cfg = config_lib.from_config_dict(_merged(_RESTRICTED, {"rl": {"loss": {"imitation_coef": 1.0}}}))
+  cfg = config_lib.from_config_dict(_merged(_RESTRICTED, option))
   tok = model_lib.CharTokenizer()
   assert len(preflight.answer_token_ids(cfg, tok)) == 7
 
-  class NoExpert:
+  class AlphabetOnly:
     answer_alphabet = tuple("0123")
 
-  monkeypatch.setattr(config_lib.EnvConfig, "make", lambda self, **kw: NoExpert())
-  with pytest.raises(config_lib.ConfigError, match="no scripted expert") as err:
+  monkeypatch.setattr(config_lib.EnvConfig, "make", lambda self, **kw: AlphabetOnly())
+  with pytest.raises(config_lib.ConfigError, match=message) as err:
     preflight.answer_token_ids(cfg, tok)
-  assert err.value.key == "rl.loss.imitation_coef"
+  assert err.value.key == key
 
 
 def test_restricted_answers_are_the_move_token_ids(monkeypatch):
