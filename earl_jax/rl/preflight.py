@@ -134,25 +134,24 @@ def answer_alphabet(cfg: config_lib.ExperimentConfig) -> tuple[str, ...]:
     raise config_lib.ConfigError(
       "sampler.legal_answers", True, f"False: env {cfg.env.name!r} does not say which are legal"
     )
-  if cfg.sampler.legal_answers and len(alphabet) > sampling.MAX_ANSWERS:
-    raise config_lib.ConfigError(
-      "sampler.legal_answers",
-      True,
-      f"False: {len(alphabet)} answers, a per-turn answer mask holds <= {sampling.MAX_ANSWERS}",
-    )
-  imitating = cfg.rl.loss.imitation_coef > 0
-  if imitating and not callable(getattr(env, "expert_answer_bits", None)):
+  coef = cfg.rl.loss.imitation_coef
+  if coef > 0 and not callable(getattr(env, "expert_answer_bits", None)):
     raise config_lib.ConfigError(
       "rl.loss.imitation_coef",
-      cfg.rl.loss.imitation_coef,
+      coef,
       f"0: env {cfg.env.name!r} has no scripted expert (expert_answer_bits)",
     )
-  if imitating and len(alphabet) > sampling.MAX_ANSWERS:
-    raise config_lib.ConfigError(
-      "rl.loss.imitation_coef",
-      cfg.rl.loss.imitation_coef,
-      f"0: {len(alphabet)} answers, the expert's answer mask holds <= {sampling.MAX_ANSWERS}",
-    )
+  # Both per-turn masks (legal answers, the expert's) are int32 bit sets over the alphabet.
+  for key, value, off in (
+    ("sampler.legal_answers", cfg.sampler.legal_answers, "False"),
+    ("rl.loss.imitation_coef", coef, "0"),
+  ):
+    if value and len(alphabet) > sampling.MAX_ANSWERS:
+      raise config_lib.ConfigError(
+        key,
+        value,
+        f"{off}: {len(alphabet)} answers, a per-turn answer mask holds <= {sampling.MAX_ANSWERS}",
+      )
   return tuple(alphabet)
 
 

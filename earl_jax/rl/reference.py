@@ -130,9 +130,8 @@ def scores(
     return jnp.where(scored_BxT, x_BxT, 0.0)
 
   logps_BxT, entropy_BxT, *expert = (aligned(x) for x in outs_NxBxC)
-  if expert:
-    expert = [jnp.where(expert_bits_BxT > 0, expert[0], 0.0)]
-  return TokenScores(logps_BxT, entropy_BxT, expert[0] if expert else None)
+  expert_BxT = jnp.where(expert_bits_BxT > 0, expert[0], 0.0) if expert else None
+  return TokenScores(logps_BxT, entropy_BxT, expert_BxT)
 
 
 def token_logps(
