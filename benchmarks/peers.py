@@ -63,6 +63,10 @@ from earl_jax.rl import batches, losses, objective, programs, update
 from earl_jax.sampler import engine
 from earl_jax.types import Stage
 
+# Compile times are measured: never loaded from a persistent compilation cache the environment
+# may name (JAX_COMPILATION_CACHE_DIR; the test suite sets one).
+jax.config.update("jax_enable_compilation_cache", False)
+
 SIZES = {
   # The default run's model (configs/connect_four_tiny.py) as a Qwen2 checkpoint.
   "tiny": dict(

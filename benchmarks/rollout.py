@@ -7,13 +7,15 @@
   tokens, episodes of 1 to 12 turns) played by the same random-weight model with the same slot
   count through the turn-synchronous rollout (every row decodes until the slowest stops, then the
   envs step one after another) and the continuous one (``rollout.batching=continuous``): generated
-  tokens/s, episodes/s and makespan, medians of interleaved repetitions after a warm-up
-  (compiling) run each; with and without a simulated tool latency per env step.
+  tokens/s, episodes/s and makespan, medians of interleaved repetitions, each run once untimed
+  beforehand with the same key, so no timed run compiles (the count is printed); with and
+  without a simulated tool latency per env step.
 (serving) The same model behind JetStream: concurrent gRPC ``Decode`` requests through
   ``launch/serve.py``'s server on localhost vs the same requests through the Engine API called
   directly (prefill / insert / generate in one loop, no threads, no gRPC): tokens/s.
-(config) A config's own rollout (default: the tiny default run, untrained or --workdir's policy)
-  with ``rollout.batching`` turn and continuous: seconds per rollout of the training batch.
+(config) A config's own rollout (default: the tiny default run; the policy is untrained, and
+  --set KEY=VALUE overrides a key) with ``rollout.batching`` turn and continuous: seconds per
+  rollout of the training batch.
 
 Runs on one CPU device unless XLA_FLAGS says otherwise.
 """
@@ -52,6 +54,18 @@ def _model(width: int, layers: int) -> tuple[nnx.GraphDef, nnx.State, ModelConfi
   )  # fmt: skip
   graphdef, params = nnx.split(model_lib.Decoder(cfg, rngs=nnx.Rngs(0)))
   return graphdef, params, cfg
+
+
+_COMPILES = [0]  # XLA compilations so far in this process (JAX's backend-compile events)
+
+
+def _count_compiles(event: str, duration: float, **kwargs) -> None:
+  del duration, kwargs
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
 def _median_row(runs: list[rollout.RolloutResult]) -> dict[str, float]:
@@ -97,20 +111,27 @@ def longtail_part(args) -> None:
         f"a call; medians of {args.repeats} interleaved runs")  # fmt: skip
   print("| env latency | mode | makespan s | generated tok/s | episodes/s | device calls |")
   print("|---|---|---|---|---|---|")
+  modes = (("turn", turn), ("continuous", continuous))
+  # Warm-up: every timed run (same key, same episodes, so the same shapes) once beforehand, so
+  # that no timed run compiles a program; the latency does not change the shapes.
+  warm_envs = [longtail.LongTailEnv(latency_ms=0.0) for _ in range(args.slots)]
+  for r in range(args.repeats):
+    for _, fn in modes:
+      fn(warm_envs, jax.random.key(r))
+  compiles = _COMPILES[0]
   for latency in args.latencies:
     envs = [longtail.LongTailEnv(latency_ms=latency) for _ in range(args.slots)]
     runs = {"turn": [], "continuous": []}
-    for r in range(args.repeats + 1):
-      for name, fn in (("turn", turn), ("continuous", continuous)):
-        result = fn(envs, jax.random.key(r))
-        if r:  # the first run of each compiles
-          runs[name].append(result)
+    for r in range(args.repeats):
+      for name, fn in modes:
+        runs[name].append(fn(envs, jax.random.key(r)))
     rows = {k: _median_row(v) for k, v in runs.items()}
     for name, row in rows.items():
       print(f"| {latency:g} ms | {name} | {row['seconds']:.2f} | {row['tok/s']:.0f} | "
             f"{row['episodes/s']:.2f} | {row['calls']} |")  # fmt: skip
     ratio = rows["continuous"]["tok/s"] / rows["turn"]["tok/s"]
     print(f"| {latency:g} ms | continuous / turn (tokens/s) | {ratio:.2f}x | | | |")
+  print(f"compilations during the timed runs: {_COMPILES[0] - compiles}")
 
 
 def _requests(n: int, rng: np.random.Generator) -> list[str]:
@@ -166,27 +187,43 @@ def serving_part(args) -> None:
 def config_part(args) -> None:
   from earl_jax.rl import loop
 
-  trainers = {}
+  trainers: dict[str, loop.Trainer] = {}
   for mode in ("turn", "continuous"):
     # Both modes without per-turn answer masks: continuous batching has none.
-    overrides = [f"rollout.batching={mode}", "sampler.legal_answers=False"]
+    overrides = [*args.set, f"rollout.batching={mode}", "sampler.legal_answers=False"]
     cfg = config_lib.load_config_file(args.config, overrides)
     trainers[mode] = loop.Trainer(cfg, tempfile.mkdtemp(prefix=f"earl_rollout_{mode}_"))
   episodes = trainers["turn"].episodes(0)
+
+  def run(t: loop.Trainer, r: int) -> rollout.RolloutResult:
+    params, _ = t.stages.rollout_weights()
+    return t.stages.rollout(params, episodes, t.envs, t.fmt, jax.random.key(r))
+
+  # Warm-up, untimed: a stage keeps the KV cache its first rollout grew, so the second rollout
+  # (a long cache, short prompts) still compiles; run until a rollout compiles nothing.
+  for t in trainers.values():
+    for _ in range(4):
+      before = _COMPILES[0]
+      run(t, 0)
+      if _COMPILES[0] == before:
+        break
   seconds = {m: [] for m in trainers}
-  for r in range(args.repeats + 1):
+  compiles = 0
+  for r in range(args.repeats):
     for mode, t in trainers.items():
-      params, _ = t.stages.rollout_weights()
-      result = t.stages.rollout(params, episodes, t.envs, t.fmt, jax.random.key(r))
-      if r:
-        seconds[mode].append(result.seconds)
-  print(f"\n(config) {args.config}, sampler.legal_answers=False: one training rollout "
+      run(t, r)  # untimed: compiles what this key's lengths need (the same in the timed run)
+      before = _COMPILES[0]
+      seconds[mode].append(run(t, r).seconds)
+      compiles += _COMPILES[0] - before
+  extra = "".join(f", {o}" for o in args.set)
+  print(f"\n(config) {args.config}{extra}, sampler.legal_answers=False: one training rollout "
         f"({len(episodes)} episodes), untrained policy, {jax.device_count()} device(s); "
         f"medians of {args.repeats}")  # fmt: skip
   print("| rollout.batching | seconds |")
   print("|---|---|")
   for mode, s in seconds.items():
     print(f"| {mode} | {statistics.median(s):.3f} |")
+  print(f"compilations during the timed runs: {compiles}")
 
 
 def main() -> None:
@@ -204,6 +241,10 @@ def main() -> None:
   p.add_argument("--serve-tokens", type=int, default=64)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--config", default="configs/connect_four_tiny.py")
+  p.add_argument(
+    "--set", action="append", default=[], metavar="KEY=VALUE",
+    help="(config) override a key of --config, e.g. --set rl.num_groups=2 (repeatable)",
+  )  # fmt: skip
   args = p.parse_args()
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s)")
   parts = {"longtail": longtail_part, "serving": serving_part, "config": config_part}

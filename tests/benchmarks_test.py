@@ -79,8 +79,12 @@ def test_rollout_benchmark_prints_longtail_serving_and_config_tables():
     sys.executable, "benchmarks/rollout.py", "--width", "64", "--layers", "1", "--slots", "4",
     "--episodes", "6", "--max-new", "16", "--stop-p", "0.2", "--latencies", "0",
     "--requests", "4", "--serve-tokens", "8", "--repeats", "1",
+    "--set", "rl.num_groups=2", "--set", "rollout.num_slots=8", "--set", "rollout.max_turns=6",
   ]  # fmt: skip
   out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   for line in ("continuous / turn (tokens/s)", "| gRPC / direct |", "| continuous |"):
     assert line in out.stdout, out.stdout
+  assert "rl.num_groups=2, rollout.num_slots=8" in out.stdout  # --set reached the config
+  # Every timed run was warmed up with its own key: no compile is part of a figure.
+  assert out.stdout.count("compilations during the timed runs: 0") == 2, out.stdout
