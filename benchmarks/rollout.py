@@ -189,8 +189,14 @@ def config_part(args) -> None:
 
   trainers: dict[str, loop.Trainer] = {}
   for mode in ("turn", "continuous"):
-    # Both modes without per-turn answer masks: continuous batching has none.
-    overrides = [*args.set, f"rollout.batching={mode}", "sampler.legal_answers=False"]
+    # Both modes without per-turn answer masks: continuous batching has none (nor the imitation
+    # term's labels, which the rollouts timed here do not record anyway).
+    overrides = [
+      *args.set,
+      f"rollout.batching={mode}",
+      "sampler.legal_answers=False",
+      "rl.loss.imitation_coef=0.0",
+    ]
     cfg = config_lib.load_config_file(args.config, overrides)
     trainers[mode] = loop.Trainer(cfg, tempfile.mkdtemp(prefix=f"earl_rollout_{mode}_"))
   episodes = trainers["turn"].episodes(0)

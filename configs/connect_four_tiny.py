@@ -1,14 +1,18 @@
 """Connect Four with a tiny from-scratch character-level policy: the default run, on CPU.
 
-Each turn the policy sees the opponent's last move and the board column by column from its own
-side ("columns" observation), and answers one column digit: its answer is decoded from the seven
-column tokens only (sampler.restrict_answers), narrowed to the columns that are not full
-(sampler.legal_answers, action masking), and the loss scores that same masked distribution. It
-trains against a random opponent and is evaluated greedily against random, the one-ply heuristic
-and MCTS with 10 simulations, next to scripted baselines played on the same episodes (printed at
-start-up, dashed in the plots). Read its win rate against ``stack``, the one-column policy under
-the same masks: in this budget the tiny policy beats random almost always, and does not yet
-beat the heuristic (which blocks every open three).
+Each turn the policy sees the opponent's last move and, for each column, the longest line a piece
+dropped there would make for itself (a-d) and for the opponent (A-D), closed by the column's number
+("lines" observation). It answers one column digit: its answer is decoded from the seven column
+tokens only (sampler.restrict_answers), narrowed to the columns that are not full
+(sampler.legal_answers, action masking), and the loss scores that same masked distribution. Each
+episode group plays the random opponent or the one-ply heuristic (env.game.opponent_mix). Next to
+the GRPO loss, an imitation term pulls the policy towards the one-ply expert's answer on the turns
+that have one (a win on offer, else a block), in the positions the policy itself reached
+(rl.loss.imitation_coef); the other turns are learned from the rewards alone. It is evaluated
+greedily against random, the heuristic and MCTS with 10 simulations, next to scripted baselines
+played on the same episodes (printed at start-up, dashed in the plots): read the win rate against
+``stack`` (the one-column policy under the same masks) and against the heuristic (which wins when it
+can and blocks every open three).
 
 Launch: python launch/train.py --config=configs/connect_four_tiny.py
 """
@@ -30,7 +34,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.max_seq_len = 1024
   c.tokenizer.kind = "char"
 
-  c.env.game.observation = "columns"
+  # Each turn: for each column, the longest line a piece there would make for the policy (a-d)
+  # and for the opponent (A-D), then the column's number (env/games.py, "lines").
+  c.env.game.observation = "lines"
+  # One opponent per episode (so per GRPO group): random, or the one-ply heuristic that wins when
+  # it can and blocks when it must. Against random alone a blocking position is rare, so neither
+  # the reward nor the imitation term below would teach blocks.
+  c.env.game.opponent_mix = ("random", "heuristic")
   c.env.game.parse_mode = "lenient"  # the answer is the column digit (restrict_answers needs it)
   # Rewards: a win 1, a draw or a loss 0. The masks leave no illegal answer to make; the invalid
   # penalties below apply only where the masks are turned off (sampler.legal_answers=False):
@@ -56,9 +66,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.num_groups = 8
   c.rl.group_size = 4
   c.rl.logp_chunk = 64
-  c.optim.learning_rate = 1e-3
+  # Imitation term: -log pi(the env's one-ply expert's answers) on the turns it labels (a win on
+  # offer, else a block), taken in the positions the policy itself reached, next to the RL loss.
+  c.rl.loss.imitation_coef = 3.0
+  c.optim.learning_rate = 2e-3
   c.optim.warmup_steps = 5
-  c.optim.decay_steps = 200
+  c.optim.decay_steps = 300
   c.optim.end_lr_ratio = 0.2
 
   c.train.num_steps = 300
