@@ -38,8 +38,8 @@ def get_config() -> ml_collections.ConfigDict:
   # and for the opponent (A-D), then the column's number (env/games.py, "lines").
   c.env.game.observation = "lines"
   # One opponent per episode (so per GRPO group): random, or the one-ply heuristic that wins when
-  # it can and blocks when it must. Against random alone a blocking position is rare, so neither
-  # the reward nor the imitation term below would teach blocks.
+  # it can and blocks when it must. Against random alone a blocking position is rare: few blocks to
+  # imitate, none rewarded (the imitation term alone reached 0.312 vs the heuristic in 500 steps).
   c.env.game.opponent_mix = ("random", "heuristic")
   c.env.game.parse_mode = "lenient"  # the answer is the column digit (restrict_answers needs it)
   # Rewards: a win 1, a draw or a loss 0. The masks leave no illegal answer to make; the invalid
