@@ -81,3 +81,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.baselines = ("column", "stack", "heuristic", "mcts:10", "mcts:50")
   c.train.checkpoint_every = 50
   return c
+
+
+def plain_grpo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The training settings of the tiny configs derived from this one (``tic_tac_toe_tiny``,
+  ``calculator_tiny``): the random opponent, no imitation term, lr 1e-3 decaying over 200 steps.
+  The recipe above (opponent mix, imitation term, learning rate) is tuned and measured on
+  Connect Four only; those runs keep the settings they were measured with."""
+  c.env.game.opponent_mix = ()
+  c.rl.loss.imitation_coef = 0.0
+  c.optim.learning_rate = 1e-3
+  c.optim.decay_steps = 200
+  return c

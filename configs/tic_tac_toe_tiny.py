@@ -16,10 +16,4 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.max_context = 256
   c.model.max_seq_len = 256
   c.train.baselines = ("heuristic", "mcts:10", "mcts:50")  # one fixed cell forfeits at once
-  # The Connect Four default's training recipe (opponent mix, imitation term, learning rate) is
-  # tuned and measured there only; this run keeps the plain GRPO settings it was measured with.
-  c.env.game.opponent_mix = ()  # the random opponent
-  c.rl.loss.imitation_coef = 0.0
-  c.optim.learning_rate = 1e-3
-  c.optim.decay_steps = 200
-  return c
+  return connect_four_tiny.plain_grpo(c)
