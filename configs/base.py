@@ -67,6 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
   g.legal_move_reward = 0.0  # reward of each legal move (a survival signal for from-scratch runs)
   g.survival_reward = 0.0  # per legal move, and on a win per move left: rewards holding off a loss
   g.tactic_reward = 0.0  # per move that takes a win on offer, else blocks one (shaping reward)
+  g.expert = "one_ply"  # imitation labels: one_ply (wins, else blocks) | two_ply (+ safe moves)
   g.forfeit_reward = -0.5  # reward of the invalid answer that ends the episode; < loss_reward
   g.win_reward = 1.0
   g.draw_reward = 0.0

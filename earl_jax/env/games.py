@@ -75,7 +75,14 @@ teaches blocking, and every win is worth the same, so a quick win is never worth
 ``tactic_reward`` per move that takes a win on offer or, with none, blocks a cell where the
 opponent would win next (a shaping reward: it names the one-ply tactics outright). Every step's
 info says which of these the move was (``tactic``: ``win_taken``, ``win_missed``, ``block_made``,
-``block_missed`` or None), and the loop reports the rates taken and made.
+``block_missed``; in a position with neither, where some legal moves would let the opponent win
+next and others would not, ``safe_move`` or ``unsafe_move``; else None), and the loop reports
+the rates taken, made and kept safe.
+
+Imitation labels (``expert_answer_bits``, for ``rl.loss.imitation_coef``) come from a scripted
+expert (``expert``): ``one_ply`` names the winning moves, else the blocks, and has no opinion
+elsewhere; ``two_ply`` names, in the positions with neither, the safe moves too (where some moves
+would let the opponent win next: in Connect Four, by opening the cell above).
 
 Another OpenSpiel two-player sequential game with a text rendering is added with one
 ``register_game`` call (see the two below).
@@ -105,6 +112,15 @@ class Side(enum.Enum):
 
 
 ObservationMode = base.ObservationMode
+
+
+class ExpertKind(enum.Enum):
+  """The scripted expert behind ``expert_answer_bits`` (the imitation term's labels)."""
+
+  ONE_PLY = "one_ply"  # the winning moves, else the blocks; no label in quiet positions
+  # ... and in a quiet position where some moves would let the opponent win next (Connect Four:
+  # in the cell above), the others: the safe moves
+  TWO_PLY = "two_ply"
 
 
 def _default_render(state: pyspiel.State) -> str:
@@ -249,6 +265,7 @@ class GameEnvConfig:
   mcts_rollouts: int = 1  # MCTS opponent: random rollouts per leaf evaluation
   mcts_uct_c: float = 2.0  # MCTS opponent: exploration constant
   model_side: Side = Side.ALTERNATE
+  expert: ExpertKind = ExpertKind.ONE_PLY  # who labels expert_answer_bits (imitation term)
   observation: ObservationMode = ObservationMode.COMPACT
   parse_mode: parsing.ParseMode = parsing.ParseMode.TAG
   action_tag: str = "move"  # the answer is <action_tag>N</action_tag>
@@ -295,6 +312,7 @@ class GameEnvConfig:
     for key, kind in (
       ("opponent", OpponentKind),
       ("model_side", Side),
+      ("expert", ExpertKind),
       ("observation", ObservationMode),
       ("parse_mode", parsing.ParseMode),
       ("on_invalid", base.OnInvalid),
@@ -361,15 +379,20 @@ class GameEnv:
     return sum(1 << a for a in self._state.legal_actions())
 
   def expert_answer_bits(self) -> int:
-    """What a one-ply tactician would answer now, as a mask over ``answer_alphabet``: the moves
-    that win at once if there are any, else the moves that block a cell where the opponent would
-    win next, else 0 (no opinion: a quiet position). The labels of the imitation term
-    (``rl.loss.imitation_coef``); the same tactics as ``info["tactic"]``."""
+    """What the scripted expert (``config.expert``) would answer now, as a mask over
+    ``answer_alphabet``: the moves that win at once if there are any, else the moves that block a
+    cell where the opponent would win next; else, with ``two_ply``, the safe moves where some
+    (not all) legal moves would let the opponent win next; else 0 (no opinion). The labels of the
+    imitation term (``rl.loss.imitation_coef``); the same tactics as ``info["tactic"]``."""
     if self._state is None:
       raise RuntimeError("GameEnv.expert_answer_bits read before reset(seed)")
     if self._state.is_terminal():
       return 0
     moves = opponents.winning_moves(self._state) or opponents.blocking_moves(self._state)
+    if not moves and self.config.expert is ExpertKind.TWO_PLY:
+      safe = opponents.safe_moves(self._state)
+      if len(safe) < len(self._state.legal_actions()):
+        moves = safe
     return sum(1 << a for a in moves)
 
   @property
@@ -445,15 +468,19 @@ class GameEnv:
     return base.StepResult(self._render(), reward, False, self._info(None, True, action, tactic))
 
   def _tactic(self, action: int) -> str | None:
-    """What the policy's legal ``action`` did with the position's one-ply tactics: ``win_taken``
-    or ``win_missed`` where a move won at once, else ``block_made`` or ``block_missed`` where the
-    opponent threatened to win next, else None."""
+    """What the policy's legal ``action`` did with the position's tactics: ``win_taken`` or
+    ``win_missed`` where a move won at once, else ``block_made`` or ``block_missed`` where the
+    opponent threatened to win next, else ``safe_move`` or ``unsafe_move`` where some legal move
+    (not every one) would let the opponent win next, else None (a quiet position)."""
     wins = opponents.winning_moves(self._state)
     if wins:
       return "win_taken" if action in wins else "win_missed"
     blocks = opponents.blocking_moves(self._state)
     if blocks:
       return "block_made" if action in blocks else "block_missed"
+    safe = opponents.safe_moves(self._state)
+    if len(safe) < len(self._state.legal_actions()):
+      return "safe_move" if action in safe else "unsafe_move"
     return None
 
   def _advance(self) -> None:

@@ -82,6 +82,19 @@ def blocking_moves(state: pyspiel.State) -> list[int]:
   return [a for a in state.legal_actions() if _opponent_wins_at(state, a, me)]
 
 
+def safe_moves(state: pyspiel.State) -> list[int]:
+  """The legal moves after which the opponent cannot win at once. In a position with no win on
+  offer and no threat to block, these are the moves that do not open a winning cell for the
+  opponent (in Connect Four: the cell right above the piece played)."""
+  me = state.current_player()
+  safe = []
+  for a in state.legal_actions():
+    child = state.child(a)
+    if child.is_terminal() or not any(_wins_after(child, b, 1 - me) for b in child.legal_actions()):
+      safe.append(a)
+  return safe
+
+
 def one_ply(state: pyspiel.State, rng: np.random.RandomState) -> int:
   """ "Win if you can, block if you must": a move that wins now; else one that takes the cell
   where the opponent would win next; else a uniformly random legal move."""

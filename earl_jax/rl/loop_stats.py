@@ -38,13 +38,16 @@ def outcome_rates(
 _TACTICS = (
   ("win_taken", "win_missed", "wins_taken"),
   ("block_made", "block_missed", "blocks_made"),
+  ("safe_move", "unsafe_move", "safe_moves"),
 )
 
 
 def tactic_rates(episodes: Sequence[EpisodeStats], prefix: str) -> dict[str, float]:
   """Of the moves where a win was on offer, the fraction that took one (``wins_taken_rate``); of
   those where the opponent threatened to win next, the fraction that blocked (``blocks_made_rate``);
-  each only where the env reports such moves (games: the step info's ``tactic``)."""
+  of those with neither where some move would let the opponent win next, the fraction that did
+  not (``safe_moves_rate``); each only where the env reports such moves (games: the step info's
+  ``tactic``)."""
   out = {}
   for good, bad, name in _TACTICS:
     made = sum(e.tactics.get(good, 0) for e in episodes)

@@ -3,6 +3,7 @@
 import re
 
 import numpy as np
+import pyspiel
 import pytest
 
 from earl_jax import env as env_lib
@@ -362,11 +363,90 @@ def test_expert_answer_bits_are_the_moves_that_make_the_tactic_and_none_in_quiet
     while result is None or not result.done:
       bits, move = env.expert_answer_bits(), int(rng.choice(env.state.legal_actions()))
       result = env.step(str(move))
-      assert (bits >> move & 1 == 1) == (result.info["tactic"] in ("win_taken", "block_made"))
-      assert (bits == 0) == (result.info["tactic"] is None)
+      tactic = result.info["tactic"]
+      assert (bits >> move & 1 == 1) == (tactic in ("win_taken", "block_made"))
+      assert (bits == 0) == (tactic in (None, "safe_move", "unsafe_move"))
       labelled += bits != 0
   assert labelled >= 20
   assert env.expert_answer_bits() == 0  # game over
+
+
+def _connect_four_after(moves):
+  state = pyspiel.load_game("connect_four").new_initial_state()
+  for m in moves:
+    state.apply_action(m)
+  return state
+
+
+def test_safe_moves_leave_out_the_moves_that_open_a_win_for_the_opponent():
+  # o to move; x holds row 1 in columns 3, 4 and 6. A piece of o's in column 5 lands on row 0
+  # and opens row 1 of column 5, where x completes four.
+  #   ...xx.x
+  #   o..oo.x
+  state = _connect_four_after((6, 3, 6, 0, 3, 4, 4))
+  assert not opponents.winning_moves(state) and not opponents.blocking_moves(state)
+  assert opponents.safe_moves(state) == [0, 1, 2, 3, 4, 6]
+  assert opponents.safe_moves(_connect_four_after(())) == list(range(7))
+  # Over random positions: a move is unsafe exactly when the opponent then wins in the cell
+  # right above it (a drop game opens no other cell), checked here on the board itself.
+  rng = np.random.RandomState(1)
+  unsafe_seen = 0
+  for _ in range(300):
+    state = _connect_four_after(())
+    for _ in range(rng.randint(4, 30)):
+      if state.is_terminal() or opponents.winning_moves(state):
+        break
+      if not opponents.blocking_moves(state):
+        safe = opponents.safe_moves(state)
+        for a in state.legal_actions():
+          child = state.child(a)
+          above = (
+            not child.is_terminal()
+            and a in child.legal_actions()
+            and child.child(a).is_terminal()
+            and child.child(a).returns()[child.current_player()] > 0
+          )
+          assert (a not in safe) == above
+          unsafe_seen += above
+      state.apply_action(int(rng.choice(state.legal_actions())))
+  assert unsafe_seen >= 20
+
+
+def test_two_ply_expert_labels_the_safe_moves_where_a_move_would_open_a_win():
+  # The same position through the env: we play o, a scripted opponent plays x's moves.
+  for expert, label in (("one_ply", 0), ("two_ply", 0b1011111)):
+    xs = iter((6, 6, 3, 4, 5))
+    env = games.GameEnv(
+      games.GAMES["connect_four"],
+      games.GameEnvConfig(model_side=games.Side.SECOND, expert=games.ExpertKind(expert)),
+      opponent=lambda state, xs=xs: next(xs),
+    )
+    env.reset(0)
+    for m in (3, 0, 4):
+      env.step(f"<move>{m}</move>")
+    assert str(env.state) == str(_connect_four_after((6, 3, 6, 0, 3, 4, 4)))
+    assert env.expert_answer_bits() == label
+    moved = env.step("<move>5</move>")
+    assert moved.info["tactic"] == "unsafe_move"
+    assert moved.done and moved.info["outcome"] == "loss"  # x took row 1 of column 5
+  # Over random games with two_ply: every label is a win, a block or the safe set.
+  rng = np.random.RandomState(0)
+  env = env_lib.make("connect_four", opponent="random", parse_mode="lenient", expert="two_ply")
+  safe_labels = 0
+  for seed in range(80):
+    env.reset(seed)
+    result = None
+    while result is None or not result.done:
+      bits, move = env.expert_answer_bits(), int(rng.choice(env.state.legal_actions()))
+      safe = opponents.safe_moves(env.state)
+      result = env.step(str(move))
+      tactic = result.info["tactic"]
+      assert (bits >> move & 1 == 1) == (tactic in ("win_taken", "block_made", "safe_move"))
+      assert (bits == 0) == (tactic is None)
+      if tactic in ("safe_move", "unsafe_move"):
+        assert bits == sum(1 << a for a in safe)
+        safe_labels += 1
+  assert safe_labels >= 20
 
 
 def test_lines_observation_names_each_columns_lines():

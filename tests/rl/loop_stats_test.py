@@ -40,13 +40,18 @@ def test_a_training_mix_reports_the_rate_against_each_opponent():
   assert loop_stats.opponent_rates(episodes, "train") == {}  # one opponent: win_rate says it all
 
 
-def test_tactic_rates_count_the_moves_that_had_a_win_or_a_block_on_offer():
+def test_tactic_rates_count_the_moves_that_had_a_win_a_block_or_a_gift_on_offer():
   episodes = _episodes("win", "loss", "loss")
   episodes[0].tactics = {"win_taken": 1, "block_made": 2}
   episodes[1].tactics = {"block_missed": 1, "win_missed": 3}
   rates = loop_stats.outcome_rates(episodes, "eval/heuristic")
   assert rates["eval/heuristic/wins_taken_rate"] == 0.25
   assert rates["eval/heuristic/blocks_made_rate"] == pytest.approx(2 / 3)
+  assert "eval/heuristic/safe_moves_rate" not in rates
+  episodes[2].tactics = {"safe_move": 3, "unsafe_move": 1}
+  rates = loop_stats.outcome_rates(episodes, "eval/heuristic")
+  assert rates["eval/heuristic/safe_moves_rate"] == 0.75
+  assert rates["eval/heuristic/wins_taken_rate"] == 0.25  # the other rates are unchanged
   episodes[0].tactics = {"block_made": 1}
   episodes[1].tactics = {}
   rates = loop_stats.outcome_rates(episodes, "train")
