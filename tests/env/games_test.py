@@ -342,6 +342,19 @@ def test_each_move_names_its_tactic_and_tactic_reward_pays_wins_taken_and_blocks
   assert env.step("<move>9</move>").info["tactic"] is None
 
 
+def _random_turns(env, seeds, rng):
+  """Whole games of uniformly random legal moves: per turn, (the expert's bits and the safe moves
+  before it, the move, its step result)."""
+  for seed in seeds:
+    env.reset(seed)
+    result = None
+    while result is None or not result.done:
+      bits, safe = env.expert_answer_bits(), opponents.safe_moves(env.state)
+      move = int(rng.choice(env.state.legal_actions()))
+      result = env.step(str(move))
+      yield bits, safe, move, result
+
+
 def test_expert_answer_bits_are_the_moves_that_make_the_tactic_and_none_in_quiet_positions():
   env = _env()
   env.reset(0)
@@ -357,16 +370,11 @@ def test_expert_answer_bits_are_the_moves_that_make_the_tactic_and_none_in_quiet
   rng = np.random.RandomState(0)
   env = env_lib.make("connect_four", opponent="random", parse_mode="lenient")
   labelled = 0
-  for seed in range(30):
-    env.reset(seed)
-    result = None
-    while result is None or not result.done:
-      bits, move = env.expert_answer_bits(), int(rng.choice(env.state.legal_actions()))
-      result = env.step(str(move))
-      tactic = result.info["tactic"]
-      assert (bits >> move & 1 == 1) == (tactic in ("win_taken", "block_made"))
-      assert (bits == 0) == (tactic in (None, "safe_move", "unsafe_move"))
-      labelled += bits != 0
+  for bits, _, move, result in _random_turns(env, range(30), rng):
+    tactic = result.info["tactic"]
+    assert (bits >> move & 1 == 1) == (tactic in ("win_taken", "block_made"))
+    assert (bits == 0) == (tactic in (None, "safe_move", "unsafe_move"))
+    labelled += bits != 0
   assert labelled >= 20
   assert env.expert_answer_bits() == 0  # game over
 
@@ -433,19 +441,13 @@ def test_two_ply_expert_labels_the_safe_moves_where_a_move_would_open_a_win():
   rng = np.random.RandomState(0)
   env = env_lib.make("connect_four", opponent="random", parse_mode="lenient", expert="two_ply")
   safe_labels = 0
-  for seed in range(80):
-    env.reset(seed)
-    result = None
-    while result is None or not result.done:
-      bits, move = env.expert_answer_bits(), int(rng.choice(env.state.legal_actions()))
-      safe = opponents.safe_moves(env.state)
-      result = env.step(str(move))
-      tactic = result.info["tactic"]
-      assert (bits >> move & 1 == 1) == (tactic in ("win_taken", "block_made", "safe_move"))
-      assert (bits == 0) == (tactic is None)
-      if tactic in ("safe_move", "unsafe_move"):
-        assert bits == sum(1 << a for a in safe)
-        safe_labels += 1
+  for bits, safe, move, result in _random_turns(env, range(80), rng):
+    tactic = result.info["tactic"]
+    assert (bits >> move & 1 == 1) == (tactic in ("win_taken", "block_made", "safe_move"))
+    assert (bits == 0) == (tactic is None)
+    if tactic in ("safe_move", "unsafe_move"):
+      assert bits == sum(1 << a for a in safe)
+      safe_labels += 1
   assert safe_labels >= 20
 
 
