@@ -31,6 +31,12 @@ kernel killed it on a 24 GB machine, so it is an option, not the default.
 Repetitions are interleaved (every variant once per round, --pause seconds idle before each call),
 the table gives the median and the range; compile time is measured apart and never counted in
 the throughput.
+
+On the system allocator the earl_jax update's time depends on what ran before it, beyond the
+ranges one run shows. Measured in one session, 30M update, 1 device, the same program in
+identical workers: 12.7-12.8 s for one worker against 14.5-14.7 s for the one called right after
+torch (2 s pause); 11.8 s each with no torch worker; 15.0 and 15.9 s with 10 s pauses. Torch's
+stayed at 8.0-8.5 s throughout. Rerun before trusting a difference under about 20% in that row.
 """
 
 from __future__ import annotations
