@@ -114,6 +114,14 @@ class Side(enum.Enum):
 ObservationMode = base.ObservationMode
 
 
+# GameEnv._position_tactic's kinds -> the step info's tactic for a move that makes it / does not.
+_TACTIC_NAMES = {
+  "win": ("win_taken", "win_missed"),
+  "block": ("block_made", "block_missed"),
+  "safe": ("safe_move", "unsafe_move"),
+}
+
+
 class ExpertKind(enum.Enum):
   """The scripted expert behind ``expert_answer_bits`` (the imitation term's labels)."""
 
@@ -388,11 +396,9 @@ class GameEnv:
       raise RuntimeError("GameEnv.expert_answer_bits read before reset(seed)")
     if self._state.is_terminal():
       return 0
-    moves = opponents.winning_moves(self._state) or opponents.blocking_moves(self._state)
-    if not moves and self.config.expert is ExpertKind.TWO_PLY:
-      safe = opponents.safe_moves(self._state)
-      if len(safe) < len(self._state.legal_actions()):
-        moves = safe
+    kind, moves = self._position_tactic()
+    if kind == "safe" and self.config.expert is not ExpertKind.TWO_PLY:
+      return 0
     return sum(1 << a for a in moves)
 
   @property
@@ -472,16 +478,27 @@ class GameEnv:
     ``win_missed`` where a move won at once, else ``block_made`` or ``block_missed`` where the
     opponent threatened to win next, else ``safe_move`` or ``unsafe_move`` where some legal move
     (not every one) would let the opponent win next, else None (a quiet position)."""
+    kind, moves = self._position_tactic()
+    if kind is None:
+      return None
+    made, missed = _TACTIC_NAMES[kind]
+    return made if action in moves else missed
+
+  def _position_tactic(self) -> tuple[str | None, list[int]]:
+    """The tactic the position offers the player to move, and the moves that make it: "win" (the
+    moves that win at once), else "block" (those that take a cell where the opponent would win
+    next), else "safe" where some legal moves, not all, would let the opponent win next (the
+    others), else (None, [])."""
     wins = opponents.winning_moves(self._state)
     if wins:
-      return "win_taken" if action in wins else "win_missed"
+      return "win", wins
     blocks = opponents.blocking_moves(self._state)
     if blocks:
-      return "block_made" if action in blocks else "block_missed"
+      return "block", blocks
     safe = opponents.safe_moves(self._state)
     if len(safe) < len(self._state.legal_actions()):
-      return "safe_move" if action in safe else "unsafe_move"
-    return None
+      return "safe", safe
+    return None, []
 
   def _advance(self) -> None:
     """Plays chance and opponent moves until it is the policy's turn or the game is over."""

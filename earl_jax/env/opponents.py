@@ -86,11 +86,10 @@ def safe_moves(state: pyspiel.State) -> list[int]:
   """The legal moves after which the opponent cannot win at once. In a position with no win on
   offer and no threat to block, these are the moves that do not open a winning cell for the
   opponent (in Connect Four: the cell right above the piece played)."""
-  me = state.current_player()
   safe = []
   for a in state.legal_actions():
-    child = state.child(a)
-    if child.is_terminal() or not any(_wins_after(child, b, 1 - me) for b in child.legal_actions()):
+    child = state.child(a)  # the opponent to move, unless the game is over
+    if child.is_terminal() or not winning_moves(child):
       safe.append(a)
   return safe
 
