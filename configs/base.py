@@ -167,6 +167,7 @@ def get_config() -> ml_collections.ConfigDict:
   tr.num_steps = 100  # training steps (one rollout + one update each)
   tr.eval_every = 10  # evaluate every N steps, and at the first and last; 0 = never
   tr.eval_episodes = 32  # evaluation episodes per opponent
+  tr.final_eval_episodes = 0  # ... at the last step (the final figure); 0 = eval_episodes
   tr.eval_opponents = ("random",)  # board games: random | first_legal | heuristic | mcts | mcts:N
   tr.baselines = ()  # scripted policies, played once at start: random | column | stack | heuristic
   # | mcts:N (reference lines of the eval curves)

@@ -240,6 +240,9 @@ class TrainConfig:
   num_steps: int = 100  # training steps (one rollout + one update each)
   eval_every: int = 10  # evaluate every N steps (and at the first and last step); 0 = never
   eval_episodes: int = 32  # episodes per opponent per evaluation
+  # Episodes per opponent of the last step's evaluation, the run's final figure (more episodes,
+  # a tighter reading; the first eval_episodes of them are the curve's); 0 = eval_episodes.
+  final_eval_episodes: int = 0
   eval_opponents: tuple[str, ...] = ("random",)  # game opponents to evaluate against (specs:
   # random | first_legal | heuristic | mcts | mcts:N)
   # Scripted policies played against every eval opponent once, at the start of a run: the
@@ -265,6 +268,12 @@ class TrainConfig:
     ):
       _require(getattr(self, key) >= 1, key, getattr(self, key), "a positive int")
     _require(self.eval_every >= 0, "eval_every", self.eval_every, "an int >= 0 (0 = never)")
+    _require(
+      self.final_eval_episodes >= 0,
+      "final_eval_episodes",
+      self.final_eval_episodes,
+      "an int >= 0 (0 = eval_episodes)",
+    )
     for step in self.profile_steps:
       _require(step >= 0, "profile_steps", self.profile_steps, "a tuple of step numbers >= 0")
     names = [opponents_env.parse_spec(spec, "eval_opponents")[0] for spec in self.eval_opponents]
@@ -501,6 +510,7 @@ RUN_ONLY_KEYS: tuple[str, ...] = (
   "train.num_steps",
   "train.eval_every",
   "train.eval_episodes",
+  "train.final_eval_episodes",
   "train.eval_opponents",
   "train.baselines",
   "train.checkpoint_every",

@@ -81,6 +81,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     ("parallel.update_layout.micro_batch_size", 3, "divisor of the mini-batch"),
     ("parallel.reference_layout.micro_batch_size", 3, "divisor of the batch"),
     ("parallel.rollout_layout.micro_batch_size", 3, "divisor of rollout.num_slots"),
+    ("train.final_eval_episodes", -1, "an int >= 0 (0 = eval_episodes)"),
   ],
 )
 def test_bad_values_name_key_value_and_rule(path: str, value, fragment: str):

@@ -221,8 +221,11 @@ class Trainer:
         )  # fmt: skip
         self.stages.replan_after_oom(stage, load, length, step, e, batch)
 
-  def _eval_seeds(self) -> range:
-    n = rollout.round_up(self.cfg.train.eval_episodes, self.cfg.rollout.num_slots)
+  def _eval_seeds(self, episodes: int = 0) -> range:
+    """The evaluation's episode seeds: ``episodes`` (default ``train.eval_episodes``) rounded up
+    to whole waves of slots; a longer evaluation starts with the same seeds."""
+    n = episodes or self.cfg.train.eval_episodes
+    n = rollout.round_up(n, self.cfg.rollout.num_slots)
     return range(_EVAL_SEED_BASE, _EVAL_SEED_BASE + n)
 
   def baselines(self) -> dict[str, Any]:
@@ -246,15 +249,18 @@ class Trainer:
         self._baselines = {"episodes": len(seeds), "seconds": seconds, "win_rate": table}
     return self._baselines
 
-  def evaluate(self, step: int) -> dict[str, float]:
-    """Greedy episodes on each of the env's evaluation suites (it names them)."""
-    cfg, out = self.cfg, {}
+  def evaluate(self, step: int, episodes: int = 0) -> dict[str, float]:
+    """Greedy episodes (``episodes`` per suite, default ``train.eval_episodes``) on each of the
+    env's evaluation suites (it names them); ``eval/episodes`` says how many."""
+    cfg = self.cfg
+    seeds = self._eval_seeds(episodes)
+    out = {"eval/episodes": len(seeds)}
     params, _ = self.stages.rollout_weights()
-    episodes = [rollout.EpisodeSpec(seed=s, group_id=0) for s in self._eval_seeds()]
+    specs = [rollout.EpisodeSpec(seed=s, group_id=0) for s in seeds]
     for name, overrides in cfg.env.evaluations(cfg.train.eval_opponents):
       envs = [cfg.env.make(**overrides) for _ in range(cfg.rollout.num_slots)]
       rng = jax.random.key(step)
-      result = self.stages.rollout(params, episodes, envs, self.fmt, rng, evaluation=True)
+      result = self.stages.rollout(params, specs, envs, self.fmt, rng, evaluation=True)
       out.update(loop_stats.outcome_rates(result.episodes, f"eval/{name}", cfg.env.success))
     return out
 
@@ -392,7 +398,7 @@ class Trainer:
     last = step == cfg.train.num_steps - 1
     if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
       with timer("eval"):
-        scalars.update(self.evaluate(step))
+        scalars.update(self.evaluate(step, cfg.train.final_eval_episodes if last else 0))
     scalars.update(timer.summary(reset=True))
     scalars["time/step"] = time.perf_counter() - start
     scalars["tokens_per_second"] = scalars["rollout/generated_tokens"] / scalars["time/rollout"]

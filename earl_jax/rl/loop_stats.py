@@ -32,6 +32,7 @@ def outcome_rates(
   out[f"{prefix}/invalid_answer_rate"] = sum(e.invalid_moves for e in episodes) / turns
   out[f"{prefix}/reward"] = float(np.mean([e.reward for e in episodes])) if episodes else 0.0
   out.update(tactic_rates(episodes, prefix))
+  out.update(loss_causes(episodes, prefix))
   return out
 
 
@@ -54,6 +55,31 @@ def tactic_rates(episodes: Sequence[EpisodeStats], prefix: str) -> dict[str, flo
     offered = made + sum(e.tactics.get(bad, 0) for e in episodes)
     if offered:
       out[f"{prefix}/{name}_rate"] = made / offered
+  return out
+
+
+# The policy's last move in a lost game (its step info's tactic) -> why the game was lost.
+_LOSS_CAUSES = {
+  "win_missed": "missed_win",  # a win was on offer and it played elsewhere
+  "block_missed": "missed_block",  # it left the opponent's threat open
+  "block_made": "double_threat",  # it blocked one threat and the opponent won with another
+  "unsafe_move": "opened_cell",  # its move let the opponent win next (the cell above it)
+}
+
+
+def loss_causes(episodes: Sequence[EpisodeStats], prefix: str) -> dict[str, float]:
+  """Of all episodes, the fraction lost for each cause, read off the policy's last move:
+  ``lost_missed_win_rate``, ``lost_missed_block_rate``, ``lost_double_threat_rate``,
+  ``lost_opened_cell_rate``, and ``lost_other_rate`` (only when it occurs) for a loss after a
+  move the env named no tactic for; they sum to ``loss_rate``. Only where the env reports
+  tactics (games)."""
+  if not any(e.tactics for e in episodes):
+    return {}
+  n = len(episodes)
+  lost = [_LOSS_CAUSES.get(e.last_tactic, "other") for e in episodes if e.outcome == "loss"]
+  out = {f"{prefix}/lost_{c}_rate": lost.count(c) / n for c in _LOSS_CAUSES.values()}
+  if "other" in lost:
+    out[f"{prefix}/lost_other_rate"] = lost.count("other") / n
   return out
 
 

@@ -104,6 +104,7 @@ class EpisodeStats:
   invalid_moves: int = 0
   opponent: str = ""  # the env's info["opponent"], where it names one (games)
   tactics: dict[str, int] = dataclasses.field(default_factory=dict)  # info["tactic"] -> moves
+  last_tactic: str = ""  # info["tactic"] of the last turn ("" where the env named none)
 
 
 @dataclasses.dataclass
@@ -466,6 +467,7 @@ def _after_step(ep: _Episode, result: Any, fmt: TurnFormat, cfg: RolloutConfig, 
   tactic = result.info.get("tactic")
   if tactic:
     ep.stats.tactics[tactic] = ep.stats.tactics.get(tactic, 0) + 1
+  ep.stats.last_tactic = str(tactic or "")
   ep.turn_rewards.append((len(ep.tokens) - 1, float(result.reward)))
   if result.info.get("legal") is False:
     ep.stats.invalid_moves += 1

@@ -60,6 +60,28 @@ def test_tactic_rates_count_the_moves_that_had_a_win_a_block_or_a_gift_on_offer(
   assert loop_stats.tactic_rates(_episodes("correct"), "eval/calculator") == {}
 
 
+def test_loss_causes_read_the_last_move_of_each_lost_game():
+  episodes = _episodes("loss", "loss", "loss", "loss", "win", "draw", "loss", "loss")
+  last = ["block_missed", "block_made", "block_made", "unsafe_move", "win_taken", ""]
+  for e, tactic in zip(episodes, [*last, "win_missed", "safe_move"]):
+    e.last_tactic = tactic
+    e.tactics = {tactic: 1} if tactic else {}
+  rates = loop_stats.outcome_rates(episodes, "eval/heuristic")
+  assert rates["eval/heuristic/lost_missed_block_rate"] == 1 / 8
+  assert rates["eval/heuristic/lost_double_threat_rate"] == 2 / 8
+  assert rates["eval/heuristic/lost_opened_cell_rate"] == 1 / 8
+  assert rates["eval/heuristic/lost_missed_win_rate"] == 1 / 8
+  assert rates["eval/heuristic/lost_other_rate"] == 1 / 8  # after a safe move: named, not hidden
+  causes = [v for k, v in rates.items() if "/lost_" in k]
+  assert sum(causes) == pytest.approx(rates["eval/heuristic/loss_rate"])
+  episodes[7].last_tactic = "block_made"
+  rates = loop_stats.outcome_rates(episodes, "eval/heuristic")
+  assert "eval/heuristic/lost_other_rate" not in rates  # reported where it occurs
+  assert rates["eval/heuristic/lost_double_threat_rate"] == 3 / 8
+  calc = loop_stats.outcome_rates(_episodes("wrong", "correct"), "eval/calculator", "correct")
+  assert not any("lost_" in k for k in calc)  # no tactics reported: no causes
+
+
 def test_baselines_table():
   text = loop_stats.format_baselines(
     {

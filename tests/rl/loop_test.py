@@ -32,6 +32,7 @@ def tiny_config(**train) -> config_lib.ExperimentConfig:
   c.rollout.num_slots, c.rl.num_groups, c.rl.group_size = 8, 4, 2
   c.rollout.max_turns = 4
   c.train.num_steps, c.train.eval_every, c.train.eval_episodes = 2, 1, 8
+  c.train.final_eval_episodes = 0  # the last step's evaluation as long as the others
   # The loop's mechanics, cheaply: one optimiser step a step, one eval suite, no baselines
   # (tests that need them ask for them).
   c.rl.ppo_epochs, c.rl.mini_batches = 1, 1
@@ -52,14 +53,25 @@ def _stable(rows):
 
 @pytest.mark.slow
 def test_two_steps_end_to_end(tmp_path, monkeypatch):
-  cfg = tiny_config(profile_steps=(1,), num_steps=3, checkpoint_every=100, baselines=("heuristic",))
+  cfg = tiny_config(
+    profile_steps=(1,), num_steps=3, checkpoint_every=100, baselines=("heuristic",),
+    final_eval_episodes=20,
+  )  # fmt: skip
   trainer = loop.Trainer(cfg, tmp_path)
   assert trainer.plans.describe()
-  order = []
+  order, evaluated = [], []
   update, finish = stages.StageResources.update, loop._RowLog.finish
   monkeypatch.setattr(
     stages.StageResources, "update", lambda s, b: order.append("update") or update(s, b)
   )
+  play = stages.StageResources.rollout
+
+  def rollout(s, params, episodes, *args, evaluation=False, **kw):
+    if evaluation:
+      evaluated.append([e.seed for e in episodes])
+    return play(s, params, episodes, *args, evaluation=evaluation, **kw)
+
+  monkeypatch.setattr(stages.StageResources, "rollout", rollout)
   monkeypatch.setattr(loop._RowLog, "finish", lambda s, r: order.append(r.step) or finish(s, r))
   rows = trainer.run()
   assert [r["step"] for r in rows] == [0, 1, 2]
@@ -69,6 +81,11 @@ def test_two_steps_end_to_end(tmp_path, monkeypatch):
   # Step 1's metrics are fetched only after step 2's update is dispatched. Step 0 is a checkpoint
   # step: its row is written before it is saved (a checkpoint never runs ahead of the log).
   assert order == ["update", 0, "update", "update", 1, 2]
+  # The last step's evaluation is the longer final one (20 rounded up to whole waves of the 8
+  # slots), and it starts with the seeds every earlier evaluation played.
+  assert [r["eval/episodes"] for r in rows] == [8, 8, 24]
+  assert [len(seeds) for seeds in evaluated] == [8, 8, 24]
+  assert evaluated[0] == evaluated[1] == evaluated[2][:8]
   for r in rows:
     assert r["dispatch/bytes_through_host"] == 0 and r["sync/bytes_through_host"] == 0
     assert 0.0 <= r["eval/random/win_rate"] <= 1.0

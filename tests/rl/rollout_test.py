@@ -41,9 +41,10 @@ def _generate(model, spec, record):
 
 
 def _play(
-  model, cfg, episodes, game="tic_tac_toe", temperature=1.0, max_new=6, cache_len=0, resize=None
-):
-  envs = [env_lib.make(game, parse_mode="lenient") for _ in range(cfg.num_slots)]
+  model, cfg, episodes, game="tic_tac_toe", temperature=1.0, max_new=6, cache_len=0, resize=None,
+  envs=None,
+):  # fmt: skip
+  envs = envs or [env_lib.make(game, parse_mode="lenient") for _ in range(cfg.num_slots)]
   fmt = turn_format.PlainFormat(TOK)
   strategy = sampling.Temperature(temperature) if temperature else sampling.Greedy()
   spec = engine.GenerationSpec.with_stop_ids(
@@ -129,6 +130,45 @@ def test_batch_is_exactly_the_sampled_tokens_interleaved_with_env_tokens(model):
   np.testing.assert_array_equal(b.group_ids_B, [0, 0, 1, 1, 2])
   np.testing.assert_allclose(b.rewards_B, [s.reward for s in result.episodes])
   np.testing.assert_allclose(b.token_rewards_BxT.sum(1), b.rewards_B, atol=1e-6)
+
+
+class _Tactics:
+  """A game env that keeps, per episode seed, the tactic its every step named. Every reply is
+  played as a legal column picked from its text (a random model's replies are rarely moves)."""
+
+  def __init__(self, env, seen: dict[int, list]) -> None:
+    self.env, self.seen = env, seen
+
+  def __getattr__(self, name: str):
+    return getattr(self.env, name)
+
+  def reset(self, seed: int) -> str:
+    self.seed, self.seen[seed] = seed, []
+    return self.env.reset(seed)
+
+  def step(self, action_text: object):
+    legal = self.env.state.legal_actions()
+    result = self.env.step(str(legal[sum(map(ord, str(action_text))) % len(legal)]))
+    self.seen[self.seed].append(result.info.get("tactic"))
+    return result
+
+
+def test_episode_stats_count_each_named_tactic_and_keep_the_last_moves(model):
+  cfg = rollout.RolloutConfig(num_slots=4, max_turns=24, max_new_tokens=6, max_context=1024)
+  seen: dict[int, list] = {}
+  envs = [
+    _Tactics(env_lib.make("connect_four", parse_mode="lenient", opponent="heuristic"), seen)
+    for _ in range(4)
+  ]
+  episodes = [rollout.EpisodeSpec(seed=s, group_id=0) for s in range(12)]
+  result, _ = _play(model, cfg, episodes, envs=envs)
+  for stats in result.episodes:
+    named = [t for t in seen[stats.seed] if t]
+    assert stats.tactics == {t: named.count(t) for t in set(named)}
+    assert stats.last_tactic == (seen[stats.seed][-1] or "")
+  # Not vacuous: the heuristic's threats and the random replies made tactics, some of them last.
+  assert sum(sum(s.tactics.values()) for s in result.episodes) > 0
+  assert any(s.last_tactic for s in result.episodes)
 
 
 def test_sampler_logps_equal_rescoring_the_packed_episodes(model):
