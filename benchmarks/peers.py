@@ -24,19 +24,24 @@ default run's layout). Each side runs in its own process (see ``Remote``); the C
 simulated (XLA_FLAGS, set below), PyTorch uses --threads threads. Every worker runs on the same
 memory allocator (--allocator; default the system's). With glibc's malloc each buffer over 32 MiB
 is a fresh mmap whose pages the kernel faults in and zeroes on every call (measured: 5.4 GB of
-page faults per 30M update step); a preloaded tcmalloc or jemalloc keeps and reuses them, which
-made the 30M update 1.4-1.6x faster on the earl_jax side and 1.04-1.2x on torch's (two runs),
-but holds on to the memory: with ``--devices 1,8`` the 8-device worker grew past 12 GB and the
+page faults per 30M update step); a preloaded tcmalloc or jemalloc keeps and reuses them. In an
+earlier session that made the 30M update 1.4-1.6x faster on the earl_jax side and 1.04-1.2x on
+torch's (two runs, before the order effect below was known: earl_jax ran right after torch), but
+it holds on to the memory: with ``--devices 1,8`` the 8-device worker grew past 12 GB and the
 kernel killed it on a 24 GB machine, so it is an option, not the default.
-Repetitions are interleaved (every variant once per round, --pause seconds idle before each call),
-the table gives the median and the range; compile time is measured apart and never counted in
-the throughput.
+Repetitions are interleaved (every variant once per round, --pause seconds idle before each call;
+each round starts one column later, so no side always runs right after the same other one); the
+table gives the median and the range; compile time is measured apart and never counted in the
+throughput.
 
-On the system allocator the earl_jax update's time depends on what ran before it, beyond the
-ranges one run shows. Measured in one session, 30M update, 1 device, the same program in
-identical workers: 12.7-12.8 s for one worker against 14.5-14.7 s for the one called right after
-torch (2 s pause); 11.8 s each with no torch worker; 15.0 and 15.9 s with 10 s pauses. Torch's
-stayed at 8.0-8.5 s throughout. Rerun before trusting a difference under about 20% in that row.
+On this CPU the earl_jax update's time depends on what ran before it. Measured on the 30M update,
+1 device, the same program in identical workers: the worker called right after torch took
+14.5-16.4 s, the others 11.3-12.8 s (torch 7.1-8.5 s); 11.8 s each with no torch worker; 15.0 and
+15.9 s with 10 s pauses. It is not glibc returning the big buffers to the kernel: a worker
+started with GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2**40 (nothing
+mmapped, nothing trimmed) took 11.3-11.9 s against 11.7 s for the plain one in the same
+positions, and 15.5 s right after torch. Hence the rotation; rerun before trusting a difference
+under about 20% in that row.
 """
 
 from __future__ import annotations
@@ -494,7 +499,8 @@ def _update_check(torch_run, jax_runs) -> list[str]:
 
 
 def _time_interleaved(variants, args) -> dict[str, dict[str, Result]]:
-  """One warm-up call of every variant, then ``args.repeats`` rounds taking turns."""
+  """One warm-up call of every variant, then ``args.repeats`` rounds taking turns, each round's
+  order rotated by one."""
   results = {
     row: {col: Result(per_second=u) for col, (_, u) in cols.items()}
     for row, cols in variants.items()
@@ -502,11 +508,14 @@ def _time_interleaved(variants, args) -> dict[str, dict[str, Result]]:
   for cols in variants.values():  # warm-up (compiled already; first-call allocations)
     for fn, _ in cols.values():
       fn()
-  for _ in range(args.repeats):
+  for r in range(args.repeats):
     for row, cols in variants.items():
-      for col, (fn, _) in cols.items():
+      # Each round starts one column later: no side always runs right after the same other one
+      # (the process called right after torch ran the same XLA program up to 1.3x slower).
+      order = list(cols)[r % len(cols) :] + list(cols)[: r % len(cols)]
+      for col in order:
         time.sleep(args.pause)  # the previous call's worker threads wind down (see --pause)
-        results[row][col].times.append(fn.timed())
+        results[row][col].times.append(cols[col][0].timed())
   return results
 
 
