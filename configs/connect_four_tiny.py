@@ -76,10 +76,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.loss.imitation_coef = 3.0
   c.optim.learning_rate = 2e-3
   c.optim.warmup_steps = 5
-  c.optim.decay_steps = 400
+  c.optim.decay_steps = 500
   c.optim.end_lr_ratio = 0.2
 
-  c.train.num_steps = 400
+  c.train.num_steps = 500
   c.train.eval_every = 50
   c.train.eval_episodes = 64
   c.train.final_eval_episodes = 256  # the final figure: about +-0.015 at 0.95, not +-0.03
