@@ -30,7 +30,8 @@ torch's (two runs, before the order effect below was known: earl_jax ran right a
 it holds on to the memory: with ``--devices 1,8`` the 8-device worker grew past 12 GB and the
 kernel killed it on a 24 GB machine, so it is an option, not the default.
 Repetitions are interleaved (every variant once per round, --pause seconds idle before each call;
-each round starts one column later, so no side always runs right after the same other one); the
+each round starts one column later, so no side always runs right after the same other one; with
+two columns a side runs right after the other in one round and right after itself in the next); the
 table gives the median and the range; compile time is measured apart and never counted in the
 throughput.
 
