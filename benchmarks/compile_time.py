@@ -1,9 +1,10 @@
-"""Compile time of the update program vs depth: scanned layers against the unrolled debug path.
+"""Compile time of the update program vs depth: scanned layers against unrolled ones.
 
-Lowers and compiles the update program (PPO step, fwd + bwd + AdamW, remat=full) of a model of
-the same width at 2 and 24 layers, with ``model.scan_layers`` on and off, from abstract shapes on
-one device, and prints the seconds (median of --repeats fresh compilations; JAX's persistent
-compilation cache is switched off here, even where the environment names one) and the 24/2 ratio.
+Lowers and compiles the update program (PPO step, fwd + bwd + AdamW, no remat: a rematerialised
+forward always scans) of a model of the same width at 2 and 24 layers, ``model.forward_layers``
+scan and unrolled, from abstract shapes on one device, and prints the seconds (median of --repeats
+fresh compilations; JAX's persistent compilation cache is switched off here, even where the
+environment names one) and the 24/2 ratio.
 
   PYTHONPATH=. python benchmarks/compile_time.py
 """
@@ -28,12 +29,12 @@ jax.config.update("jax_enable_compilation_cache", False)  # every compile is mea
 
 
 def compile_seconds(layers: int, scan: bool, t: int, b: int) -> float:
-  cfg = dataclasses.replace(MODEL, num_layers=layers, scan_layers=scan)
+  cfg = dataclasses.replace(MODEL, num_layers=layers, forward_layers="scan" if scan else "unrolled")
   graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.Decoder(cfg, rngs=nnx.Rngs(0))))
-  plan = make_stage_plan(Stage.UPDATE, [0], 1, 1, 1, remat="full")
+  plan = make_stage_plan(Stage.UPDATE, [0], 1, 1, 1)
   optimizer = update.make_optimizer(update.OptimConfig())
   train = jax.eval_shape(lambda: update.init_train_state(state, optimizer, jax.random.key(0)))
-  obj = objective.Objective(losses.LossConfig(), chunk_size=64, remat="full", old_from_new=True)
+  obj = objective.Objective(losses.LossConfig(), chunk_size=64, old_from_new=True)
   start = time.perf_counter()
   programs.lower_update(
     plan, graphdef, train, _abstract_batch(b, t), loss_fn=obj, optimizer=optimizer,

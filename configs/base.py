@@ -34,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.compute_dtype = "float32"  # matmul dtype: float32 | bfloat16 (softmax and norms stay float32)
   m.attention = "auto"  # auto | naive | chunked (O(T) memory) | cudnn (GPU) | splash (TPU)
   m.attention_block = 512  # max query/key block of the chunked (sized evenly) and splash kernels
-  m.scan_layers = True  # scan the stacked blocks (compile time independent of depth)
+  m.forward_layers = "auto"  # full-sequence forward: scan (depth-free compile) | unrolled | auto
   m.decode_layers = "auto"  # decode loop: scan | unrolled (weights sliced once per call) | auto
 
   r = m.rope = ml_collections.ConfigDict()

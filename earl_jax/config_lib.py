@@ -504,8 +504,9 @@ def _literal(text: str) -> Any:
 
 # Keys a resumed run may change without changing the experiment: its length, cadences, where files
 # are read from, and how the work is laid out on the devices (a checkpoint restores onto any
-# layout). Every other key (model, optimiser, RL, environment, sampler, rollout, seed) defines the
-# experiment, and changing one on resume needs --allow_config_change.
+# layout) and looped over the layers (model.scan_layers: the key forward_layers replaced). Every
+# other key (model, optimiser, RL, environment, sampler, rollout, seed) defines the experiment,
+# and changing one on resume needs --allow_config_change.
 RUN_ONLY_KEYS: tuple[str, ...] = (
   "train.num_steps",
   "train.eval_every",
@@ -521,6 +522,9 @@ RUN_ONLY_KEYS: tuple[str, ...] = (
   "pretrained_path",
   "tokenizer.path",
   "parallel",
+  "model.forward_layers",
+  "model.decode_layers",
+  "model.scan_layers",
 )
 
 

@@ -101,11 +101,12 @@ def model_config(cfg: config_lib.ExperimentConfig, model: str = "") -> Any:
 
 
 def for_accelerators(model_cfg):
-  """The model as a GPU or TPU runs it: "auto" decode layers are scanned there (unrolled only on
-  CPU), so the CPU compile checks the accelerator's program."""
-  if model_cfg.decode_layers == "auto":
-    return dataclasses.replace(model_cfg, decode_layers="scan")
-  return model_cfg
+  """The model as a GPU or TPU runs it: "auto" layer loops (the decode loop's and the forward's)
+  are scanned there (unrolled only on CPU), so the CPU compile checks the accelerator's program."""
+  loops = ("decode_layers", "forward_layers")
+  return dataclasses.replace(
+    model_cfg, **{k: "scan" for k in loops if getattr(model_cfg, k) == "auto"}
+  )
 
 
 class FitCheck:

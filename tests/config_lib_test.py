@@ -295,3 +295,22 @@ def test_config_changes_split_experiment_from_run_only_keys():
   # A checkpoint written before a key existed: the key counts as its default.
   older = {k: v for k, v in saved.items() if k != "seed"}
   assert config_lib.config_changes(older, base) == ([], [])
+
+
+def test_layer_loops_are_run_only_and_the_replaced_scan_layers_key_resumes():
+  """How the layers are looped changes the program, not the experiment; a checkpoint written
+  while the key was ``model.scan_layers`` (a bool) resumes under ``model.forward_layers``."""
+  base = config_lib.ExperimentConfig()
+  saved = json.loads(json.dumps(config_lib.to_dict(base)))
+  saved["model"].pop("forward_layers")
+  saved["model"]["scan_layers"] = True
+  new = config_lib.from_config_dict({"model": {"forward_layers": "scan", "decode_layers": "scan"}})
+  experiment, run_only = config_lib.config_changes(saved, new)
+  assert experiment == []
+  assert run_only == [
+    "model.decode_layers: 'auto' -> 'scan'",
+    "model.forward_layers: 'auto' -> 'scan'",
+    "model.scan_layers: True -> '<absent>'",
+  ]
+  with pytest.raises(config_lib.ConfigError, match="forward_layers"):
+    config_lib.from_config_dict({"model": {"forward_layers": "loop"}})

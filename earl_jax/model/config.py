@@ -79,7 +79,13 @@ class ModelConfig:
   compute_dtype: DType = DType.FLOAT32  # matmul/activation dtype (bfloat16 on accelerators)
   attention: str = "auto"  # auto | naive | chunked | cudnn | splash (model/attention.py)
   attention_block: int = 512  # query/key block of the chunked and splash kernels
-  scan_layers: bool = True  # run the stacked blocks with lax.scan (False: unrolled, debugging)
+  # The full-sequence forward (prefill, reference, update) over the stacked blocks: "scan" runs
+  # one lax.scan (the program holds one block whatever the depth: compile time and program size
+  # independent of depth, what accelerators run); "unrolled" runs each layer on its slice of the
+  # stack (XLA:CPU zero-fills and copies the scan's stacked per-layer residuals: ~2 s of the 30M
+  # update step's ~13 there); "auto" = unrolled on CPU, scan elsewhere. A rematerialised forward
+  # always scans: unrolled, XLA:CPU's compiled peak grew with depth as if nothing were remat'd.
+  forward_layers: str = "auto"
   # The token-by-token decode loop: "scan" runs the stacked blocks with lax.scan (each step slices
   # every layer's weights out of the stack); "unrolled" slices them once per generate call and
   # runs the layers unrolled (faster on CPU, where XLA copies each slice; compiles a body per
@@ -106,6 +112,14 @@ class ModelConfig:
     _require(self.attention_block > 0, "attention_block", self.attention_block, "a positive int")
     loops = ("auto", "scan", "unrolled")
     _require(self.decode_layers in loops, "decode_layers", self.decode_layers, " | ".join(loops))
+    _require(self.forward_layers in loops, "forward_layers", self.forward_layers, " | ".join(loops))
+
+  def unrolled_forward(self, backend: str, remat: str = "none") -> bool:
+    """Whether the full-sequence forward runs the layers unrolled (``forward_layers``) on
+    ``backend`` with the update plan's ``remat`` policy (any but "none" scans)."""
+    if remat != "none":
+      return False
+    return self.forward_layers == "unrolled" or (self.forward_layers == "auto" and backend == "cpu")
 
   def unrolled_decode(self, backend: str) -> bool:
     """Whether the decode loop runs per-layer weight copies (``decode_layers``) on ``backend``."""

@@ -143,10 +143,10 @@ def model_config_from_hf(hf: Mapping[str, Any], settings: ModelConfig | None = N
   """ModelConfig of a HF ``config.json`` dict (LlamaForCausalLM / Qwen2ForCausalLM).
 
   The architecture comes from ``hf``; the run-time keys (``param_dtype``, ``compute_dtype``,
-  ``attention*``, ``scan_layers``, ``vocab_multiple``, ``max_seq_len``) from ``settings``. Without
-  settings they take ModelConfig's defaults and ``max_seq_len`` the checkpoint's
-  ``max_position_embeddings``. The checkpoint's own ``torch_dtype`` never decides anything:
-  tensors are converted to ``param_dtype`` on load.
+  ``attention*``, ``forward_layers``, ``decode_layers``, ``vocab_multiple``, ``max_seq_len``)
+  from ``settings``. Without settings they take ModelConfig's defaults and ``max_seq_len`` the
+  checkpoint's ``max_position_embeddings``. The checkpoint's own ``torch_dtype`` never decides
+  anything: tensors are converted to ``param_dtype`` on load.
   """
   arch = _architecture(hf)
   _check_features(hf, arch)

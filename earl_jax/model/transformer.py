@@ -144,10 +144,10 @@ class Decoder(nnx.Module):
     remat: str,
     layers: list[nnx.State] | None = None,
   ) -> tuple[jax.Array, _KV | None]:
-    """All layers: one ``lax.scan`` over the stacked parameters (``cfg.scan_layers``), so the
-    program holds one copy of the block whatever the depth; or unrolled, for debugging, or over
-    ``layers`` already split per layer. The KV cache rides in the carry and each layer writes its
-    own slice in place."""
+    """All layers: one ``lax.scan`` over the stacked parameters, so the program holds one copy
+    of the block whatever the depth; or unrolled (``cfg.forward_layers``), or over ``layers``
+    already split per layer. The KV cache rides in the carry and each layer writes its own slice
+    in place."""
     graphdef, state = nnx.split(self.blocks)
 
     def body(carry, xs):
@@ -156,8 +156,10 @@ class Decoder(nnx.Module):
       return nnx.merge(graphdef, layer_state)(x_BxTxD, rope, vis, kv, layer), None
 
     if remat != "none":
+      # Only ever scanned (``unrolled_forward``), where XLA cannot merge the recomputation with
+      # the forward pass: the checkpoint docs' setting for a scan body.
       body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    if layers is None and self.cfg.scan_layers:
+    if layers is None and not self.cfg.unrolled_forward(jax.default_backend(), remat):
       indices = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
       (x_BxTxD, kv), _ = jax.lax.scan(body, (x_BxTxD, kv), (state, indices))
       return x_BxTxD, kv

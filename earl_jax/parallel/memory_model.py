@@ -58,9 +58,12 @@ from earl_jax.types import (
 MEMORY_TOLERANCE = (0.9, 1.75)
 _SCORE_COPIES = 3  # scores, masked scores, softmax probabilities (f32), see module docstring
 # Live score-sized f32 buffers in one layer's naive attention backward, fitted to XLA:CPU's
-# compiled peaks (T 256 and 512, 2 and 4 layers, remat none and full): ~6, and ~2 when the layer
-# is rematerialised (without remat each layer's saved probabilities come on top, see _scored).
+# compiled peaks (T 256 and 512, 2 and 4 layers, remat none and full): ~6 in a scan, ~3 with the
+# layers unrolled (model.forward_layers; no stacked residual buffers beside them), ~2 when the
+# layer is rematerialised (always scanned). Without remat each layer's saved probabilities come
+# on top, see _scored.
 _BACKWARD_SCORE_COPIES = 6
+_UNROLLED_BACKWARD_SCORE_COPIES = 3
 _REMAT_BACKWARD_SCORE_COPIES = 2
 _LOGIT_COPIES = 3  # logits, log-softmax, exp(log-softmax)
 _REFERENCE_LOGIT_COPIES = 2  # forward only: the log-softmax fuses with the logits (measured)
@@ -193,12 +196,15 @@ def _attention_bytes(
   copies: int = _SCORE_COPIES,
   backward: bool = False,
   remat: bool = False,
+  unrolled: bool = False,
 ) -> int:
   """One layer's live attention temporaries under ``impl`` (see the module docstring)."""
   heads = cfg.num_heads // tp_heads
   if impl == "naive":
-    if backward:
-      copies = _REMAT_BACKWARD_SCORE_COPIES if remat else _BACKWARD_SCORE_COPIES
+    if backward and remat:
+      copies = _REMAT_BACKWARD_SCORE_COPIES
+    elif backward:
+      copies = _UNROLLED_BACKWARD_SCORE_COPIES if unrolled else _BACKWARD_SCORE_COPIES
     return copies * rows * heads * queries * keys * 4 + rows * queries * keys
   cb = _dtype_bytes(cfg.compute_dtype.value)
   kv, dh = max(1, cfg.num_kv_heads // tp_heads), cfg.head_dim
@@ -301,10 +307,13 @@ def _scored(cfg: ModelConfig, plan: StagePlan, w: Workload, spec: DeviceSpec) ->
     logits = _REFERENCE_LOGIT_COPIES * rows * min(w.logits_chunk, t) * vocab * 4
     hidden = rows * t * d * 4
     return MemoryEstimate(weights, 0, 0, 0, max(attn + layer_act - logits, hidden), logits, io)
-  # Backward: the peak is inside one layer's attention backward (naive: ~5-6 score-sized f32
+  # Backward: the peak is inside one layer's attention backward (naive: ~2-6 score-sized f32
   # buffers, measured on XLA:CPU). Without remat every layer also keeps what its backward reads;
   # with remat only its input, and the layer being differentiated recomputes its own.
-  attn = _attention_bytes(cfg, impl, rows, t, t, tp, backward=True, remat=plan.remat != "none")
+  attn = _attention_bytes(
+    cfg, impl, rows, t, t, tp, backward=True, remat=plan.remat != "none",
+    unrolled=cfg.unrolled_forward(spec.platform, plan.remat),
+  )  # fmt: skip
   saved = rows * t * _saved_bytes_per_token(cfg, plan)
   if impl == "naive":  # its backward reads the layer's f32 probabilities [B, H, T, T]
     saved += rows * (cfg.num_heads // tp) * t * t * 4

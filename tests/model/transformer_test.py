@@ -163,11 +163,11 @@ def test_llama3_inv_freq_matches_transformers(head_dim):
 
 
 def test_scanned_and_unrolled_layers_agree():
-  """The scan over stacked blocks and the unrolled debug path compute the same logits/grads."""
-  cfg = dataclasses.replace(_CFG, num_layers=3)
+  """The scan over stacked blocks and the unrolled layers compute the same logits/grads."""
+  cfg = dataclasses.replace(_CFG, num_layers=3, forward_layers="scan")
   model = _randomized(cfg)
   unrolled = nnx.merge(
-    nnx.graphdef(Decoder(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0))),
+    nnx.graphdef(Decoder(dataclasses.replace(cfg, forward_layers="unrolled"), rngs=nnx.Rngs(0))),
     nnx.state(model),
   )
   tokens = _tokens()
@@ -185,3 +185,23 @@ def test_scanned_and_unrolled_layers_agree():
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5), g_scan, g_unrolled
   )
+
+
+def test_forward_layers_auto_unrolls_on_cpu_only():
+  """``forward_layers="auto"``: unrolled on CPU (no while loop over the blocks in the program),
+  scanned on accelerators; an unknown value names the key and what is allowed."""
+  tokens = _tokens()
+
+  def whiles(how: str) -> int:
+    model = Decoder(dataclasses.replace(_CFG, forward_layers=how), rngs=nnx.Rngs(0))
+    return jax.jit(logits).lower(model, tokens).as_text().count("stablehlo.while")
+
+  assert jax.default_backend() == "cpu"
+  assert whiles("scan") == 1
+  assert whiles("auto") == whiles("unrolled") == 0
+  auto = dataclasses.replace(_CFG, forward_layers="auto")
+  assert auto.unrolled_forward("cpu")
+  assert not auto.unrolled_forward("gpu") and not auto.unrolled_forward("tpu")
+  assert not dataclasses.replace(_CFG, forward_layers="scan").unrolled_forward("cpu")
+  with pytest.raises(ValueError, match=r"forward_layers.*auto \| scan \| unrolled"):
+    dataclasses.replace(_CFG, forward_layers="loop")

@@ -50,7 +50,8 @@ def test_hub_ids_resolve_to_presets_with_the_configs_run_time_keys():
   model = fit.for_accelerators(fit.model_config(cfg))
   assert (model.embed_dim, model.num_layers, model.num_kv_heads) == (3584, 28, 4)
   assert model.param_dtype.value == "float32" and model.compute_dtype.value == "bfloat16"
-  assert model.decode_layers == "scan"  # what an accelerator runs, not the CPU's unrolled loop
+  # What an accelerator runs, not the CPU's unrolled loops.
+  assert model.decode_layers == model.forward_layers == "scan"
 
 
 @pytest.mark.slow

@@ -95,10 +95,13 @@ def abstract_update_inputs(cfg: ModelConfig, b: int, t: int):
   return jax.eval_shape(init), batch, optimizer
 
 
-@pytest.mark.parametrize("attention", ["auto", "chunked"])  # auto: naive on CPU at T 256
+# auto: naive on CPU at T 256; forward_layers auto: unrolled on CPU unless rematerialised.
+@pytest.mark.parametrize(
+  "attention,layers", [("auto", "auto"), ("auto", "scan"), ("chunked", "auto")]
+)
 @pytest.mark.parametrize("mesh,remat,mb", [((2, 4, 1), "none", 0), ((1, 1, 4), "full", 4)])
-def test_update_prediction_matches_memory_analysis(mesh, remat, mb, attention):
-  cfg = ModelConfig(**{**CFG.__dict__, "attention": attention})
+def test_update_prediction_matches_memory_analysis(mesh, remat, mb, attention, layers):
+  cfg = ModelConfig(**{**CFG.__dict__, "attention": attention, "forward_layers": layers})
   graphdef, _ = _split(cfg)
   train_state, batch, optimizer = abstract_update_inputs(cfg, 8, 256)
   plan = make_stage_plan(
@@ -110,7 +113,7 @@ def test_update_prediction_matches_memory_analysis(mesh, remat, mb, attention):
   compiled = ex.MemoryStats.of(lowered.compile())
   w = mm.Workload(Stage.UPDATE, load=8, length=256, logits_chunk=64)
   predicted = mm.estimate_memory(cfg, plan, w, mm.CPU_SPEC)
-  _check(compiled, predicted, f"update {attention} {mesh} {remat} mb={mb}")
+  _check(compiled, predicted, f"update {attention} {layers} {mesh} {remat} mb={mb}")
 
 
 def test_paper_scale_sizes():
