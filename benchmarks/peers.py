@@ -18,6 +18,10 @@ Work, all float32:
   update     one policy-gradient step (forward, backward, AdamW with global-norm clipping) on the
              same batch; seconds per step. earl_jax: the update program the trainer runs (PPO
              objective, one optimiser step, so the ratio is 1); torch: the same loss written out.
+             One row per --micro_batch: the whole batch at once (0), or gradients accumulated
+             over micro-batches of that many rows, both sides alike (earl_jax: the plan's
+             micro_batch_size; torch: one backward per micro-batch, every loss divided by the
+             whole batch's token count), checked to give the same loss and gradient norm.
 
 earl_jax runs on 1 device and on the default mesh (--devices; N devices = data-parallel N, the
 default run's layout). Each side runs in its own process (see ``Remote``); the CPU devices are
@@ -43,6 +47,13 @@ started with GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=
 mmapped, nothing trimmed) took 11.3-11.9 s against 11.7 s for the plain one in the same
 positions, and 15.5 s right after torch. Hence the rotation; rerun before trusting a difference
 under about 20% in that row.
+
+Nor is torch needed for it. In one earl_jax process alone (30M, 1 device, whole batch), the update
+took 11.5 s right after itself, 13.3 s right after the generate and reference programs, and
+16-17 s the first time; in this benchmark every call follows another program, and it took 19 s.
+In micro-batches of 8 rows (a quarter of the working set) it took 8.5-8.8 s in every position,
+the first call 9.4 s; torch's step took 7.1-7.4 s in micro-batches of 4-16 rows and 9.4-11.5 s
+whole. Hence the micro-batch row.
 """
 
 from __future__ import annotations
@@ -210,8 +221,8 @@ class JaxSide:
     return lambda: np.asarray(jax.block_until_ready(score(params, *args)))
 
   # update
-  def update(self, d: dict[str, np.ndarray]) -> Callable[[], dict[str, float]]:
-    plan = self.plans[Stage.UPDATE]
+  def update(self, d: dict[str, np.ndarray], micro: int = 0) -> Callable[[], dict[str, float]]:
+    plan = make_stage_plan(Stage.UPDATE, list(range(self.n)), -1, 1, 1, micro_batch_size=micro)
     optimizer = update.make_optimizer(update.OptimConfig(learning_rate=LR, max_grad_norm=1.0))
     obj = objective.Objective(losses.LossConfig(), chunk_size=CHUNK, old_from_new=True)
     batch = jax.tree.map(lambda x: self._rows(Stage.UPDATE, x), _advantage_batch(d))
@@ -220,7 +231,7 @@ class JaxSide:
       lambda: update.init_train_state(self.abstract, optimizer, jax.random.key(0))
     )
     step = self._compiled(
-      "update",
+      f"update mb{micro}" if micro else "update",
       lambda: programs.lower_update(
         plan,
         self.graphdef,
@@ -282,6 +293,9 @@ class TorchSide:
       ckpt, dtype=torch.float32, attn_implementation="sdpa"
     )
     self.vocab_size = self.model.config.vocab_size
+    # Each update variant starts from the checkpoint's weights, as earl_jax's does (its train
+    # state is built afresh): the checks compare the first step of each.
+    self.initial = {k: v.clone() for k, v in self.model.state_dict().items()}
 
   def _logps(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     logits = self.model(input_ids=tokens, attention_mask=valid.long()).logits
@@ -301,24 +315,33 @@ class TorchSide:
 
     return run
 
-  def update(self, d: dict[str, np.ndarray]) -> Callable[[], dict[str, float]]:
+  def update(self, d: dict[str, np.ndarray], micro: int = 0) -> Callable[[], dict[str, float]]:
+    """``micro`` > 0: gradients accumulated over micro-batches of that many rows, each loss
+    divided by the whole batch's token count (the same loss and gradient)."""
     tokens = torch.as_tensor(d["tokens"]).long()
     valid = torch.as_tensor(d["valid"])
     mask = torch.as_tensor(d["loss_mask"]).float()
     adv = torch.as_tensor(d["adv"])
     model = self.model
+    model.load_state_dict(self.initial)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=1e-8)
     model.train()  # dropout is 0 in Qwen2; train mode only switches the caching off
 
+    step = micro or tokens.shape[0]
+
     def run() -> dict[str, float]:
       opt.zero_grad(set_to_none=True)
-      logp = self._logps(tokens, valid)
-      ratio = torch.exp(logp - logp.detach())  # = 1: one optimiser step on the batch
-      loss = -(adv * ratio * mask).sum() / mask.sum()
-      loss.backward()
+      total = 0.0
+      for i in range(0, tokens.shape[0], step):
+        rows = slice(i, i + step)
+        logp = self._logps(tokens[rows], valid[rows])
+        ratio = torch.exp(logp - logp.detach())  # = 1: one optimiser step on the batch
+        loss = -(adv[rows] * ratio * mask[rows]).sum() / mask.sum()
+        loss.backward()
+        total += loss.item()
       norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
       opt.step()
-      return {"loss": loss.item(), "grad_norm": norm.item()}
+      return {"loss": total, "grad_norm": norm.item()}
 
     return run
 
@@ -450,8 +473,8 @@ class Remote:
   def reference(self, d):
     return self._build("reference", d)
 
-  def update(self, d):
-    return self._build("update", d)
+  def update(self, d, micro: int = 0):
+    return self._build("update", d, micro)
 
   def generate(self, prompts, new):
     return self._build("generate", prompts, new)
@@ -569,12 +592,13 @@ def bench_size(size: str, args) -> None:
       variants[row] = {"torch": (torch_side.reference(d), REF_B * REF_T)}
       for js in jax_sides:
         variants[row][f"jax {js.n}"] = (js.reference(d), REF_B * REF_T)
-    if "update" in args.work:
-      row = f"update B{REF_B} T{REF_T} (s/step)"
-      runs = [(js.n, js.update(d)) for js in jax_sides]
-      t_run = torch_side.update(d)
+    for micro in args.micro_batch if "update" in args.work else ():
+      row = f"update B{REF_B} T{REF_T}" + (f", micro-batches of {micro}" if micro else "")
+      row += " (s/step)"
+      runs = [(js.n, js.update(d, micro)) for js in jax_sides]
+      t_run = torch_side.update(d, micro)
       for line in _update_check(t_run, runs):
-        print(f"- {line}")
+        print(f"- {row[:-9]}: {line}")
       variants[row] = {"torch": (t_run, 0)}
       for n, run in runs:
         variants[row][f"jax {n}"] = (run, 0)
@@ -594,6 +618,12 @@ def main() -> None:
   parser.add_argument("--work", default="generate,reference,update")
   parser.add_argument("--devices", default="1,8", help="earl_jax device counts to compare")
   parser.add_argument("--new_tokens", default="64,256")
+  parser.add_argument(
+    "--micro_batch",
+    default="0,8",
+    help="update rows: rows per micro-batch, both sides alike (gradients accumulated; 0 = the "
+    "whole batch at once)",
+  )
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--threads", type=int, default=os.cpu_count())
   parser.add_argument(
@@ -614,6 +644,10 @@ def main() -> None:
   args = parser.parse_args()
   args.devices = [int(x) for x in args.devices.split(",")]
   args.new_tokens = [int(x) for x in args.new_tokens.split(",")]
+  args.micro_batch = [int(x) for x in args.micro_batch.split(",")]
+  bad = [m for m in args.micro_batch if m < 0 or (m and REF_B % m)]
+  if bad:
+    sys.exit(f"--micro_batch {bad[0]}: rows per micro-batch must be 0 or divide the batch {REF_B}")
   args.work = args.work.split(",")
   if max(args.devices) > jax.device_count():
     sys.exit(f"--devices {max(args.devices)} > {jax.device_count()} devices (XLA_FLAGS)")

@@ -66,9 +66,12 @@ def test_peers_benchmark_checks_parity_then_prints_the_table():
   cmd += ["--new_tokens", "8", "--repeats", "1", "--pause", "0", "--threads", "1"]
   out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "update step 1, 2 device(s): loss" in out.stdout
+  assert "update B32 T288: update step 1, 2 device(s): loss" in out.stdout
+  # The same step in micro-batches (gradients accumulated on both sides): checked alike.
+  assert "micro-batches of 8: update step 1, 2 device(s): loss" in out.stdout
   assert "allocator in every worker: " in out.stdout  # checked in each worker's memory map
-  for row in ("generate B32 +8", "reference B32 T288", "update B32 T288"):
+  rows = ("generate B32 +8", "reference B32 T288", "update B32 T288 (", "update B32 T288, micro")
+  for row in rows:
     assert f"| {row}" in out.stdout
 
 
