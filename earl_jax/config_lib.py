@@ -408,6 +408,14 @@ class ExperimentConfig:
       self.rl.logp_chunk,
       f"a divisor of rollout.seq_multiple ({self.rollout.seq_multiple}), the padding unit",
     )
+    remat = self.parallel.update_layout.remat
+    _require(
+      self.model.forward_layers != "unrolled" or remat == "none" or self.parallel.selector,
+      "model.forward_layers",
+      self.model.forward_layers,
+      f"scan or auto with parallel.update_layout.remat={remat!r} (a rematerialised forward "
+      "always scans: unrolled, XLA keeps no remat boundary)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -314,3 +314,13 @@ def test_layer_loops_are_run_only_and_the_replaced_scan_layers_key_resumes():
   ]
   with pytest.raises(config_lib.ConfigError, match="forward_layers"):
     config_lib.from_config_dict({"model": {"forward_layers": "loop"}})
+
+
+def test_unrolled_forward_with_remat_is_refused_not_silently_scanned():
+  with pytest.raises(config_lib.ConfigError, match="scan or auto with") as err:
+    config_lib.from_config_dict(
+      {"model": {"forward_layers": "unrolled"}, "parallel": {"update_layout": {"remat": "full"}}}
+    )
+  assert err.value.key == "model.forward_layers"
+  ok = {"model": {"forward_layers": "auto"}, "parallel": {"update_layout": {"remat": "full"}}}
+  assert config_lib.from_config_dict(ok).model.forward_layers == "auto"
