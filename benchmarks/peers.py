@@ -222,7 +222,7 @@ class JaxSide:
 
   # update
   def update(self, d: dict[str, np.ndarray], micro: int = 0) -> Callable[[], dict[str, float]]:
-    plan = make_stage_plan(Stage.UPDATE, list(range(self.n)), -1, 1, 1, micro_batch_size=micro)
+    plan = dataclasses.replace(self.plans[Stage.UPDATE], micro_batch_size=micro)
     optimizer = update.make_optimizer(update.OptimConfig(learning_rate=LR, max_grad_norm=1.0))
     obj = objective.Objective(losses.LossConfig(), chunk_size=CHUNK, old_from_new=True)
     batch = jax.tree.map(lambda x: self._rows(Stage.UPDATE, x), _advantage_batch(d))
@@ -593,12 +593,12 @@ def bench_size(size: str, args) -> None:
       for js in jax_sides:
         variants[row][f"jax {js.n}"] = (js.reference(d), REF_B * REF_T)
     for micro in args.micro_batch if "update" in args.work else ():
-      row = f"update B{REF_B} T{REF_T}" + (f", micro-batches of {micro}" if micro else "")
-      row += " (s/step)"
+      work = f"update B{REF_B} T{REF_T}" + (f", micro-batches of {micro}" if micro else "")
+      row = f"{work} (s/step)"
       runs = [(js.n, js.update(d, micro)) for js in jax_sides]
       t_run = torch_side.update(d, micro)
       for line in _update_check(t_run, runs):
-        print(f"- {row[:-9]}: {line}")
+        print(f"- {work}: {line}")
       variants[row] = {"torch": (t_run, 0)}
       for n, run in runs:
         variants[row][f"jax {n}"] = (run, 0)

@@ -19,6 +19,12 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     raise ConfigError(key, value, allowed)
 
 
+def _unrolled(loop: str, backend: str) -> bool:
+  """A layer-loop key's value ("auto" | "scan" | "unrolled") resolved on ``backend``: "auto"
+  unrolls on CPU only."""
+  return loop == "unrolled" or (loop == "auto" and backend == "cpu")
+
+
 class RopeType(enum.Enum):
   DEFAULT = "default"  # plain RoPE with rope_theta
   LLAMA3 = "llama3"  # Llama-3.1 frequency-dependent scaling of the inverse frequencies
@@ -117,13 +123,11 @@ class ModelConfig:
   def unrolled_forward(self, backend: str, remat: str = "none") -> bool:
     """Whether the full-sequence forward runs the layers unrolled (``forward_layers``) on
     ``backend`` with the update plan's ``remat`` policy (any but "none" scans)."""
-    if remat != "none":
-      return False
-    return self.forward_layers == "unrolled" or (self.forward_layers == "auto" and backend == "cpu")
+    return remat == "none" and _unrolled(self.forward_layers, backend)
 
   def unrolled_decode(self, backend: str) -> bool:
     """Whether the decode loop runs per-layer weight copies (``decode_layers``) on ``backend``."""
-    return self.decode_layers == "unrolled" or (self.decode_layers == "auto" and backend == "cpu")
+    return _unrolled(self.decode_layers, backend)
 
   @property
   def padded_vocab_size(self) -> int:
