@@ -9,7 +9,9 @@ Without a cache the slots are the sequence positions (causal); with the KV cache
 slots, so multi-turn continuation, left/right/interior padding and unfilled cache slots are all
 the same rule. Every implementation returns the same values (tested to 1e-5 in float32):
 
-  naive    materialises the [B, K, G, T, S] scores: the reference, and fast for tiny T.
+  naive    materialises the [B, K, G, T, S] scores: the reference, and fast for tiny T. Without
+           a cache ``attend`` runs it in static causal query blocks (``causal_blocks``): block i
+           multiplies only the keys up to its last query, about half the scores at T 288.
   chunked  blockwise online softmax (FlashAttention-2 in plain JAX) with a hand-written backward
            pass: memory O(T) in forward and gradient; key blocks past the last visible slot of a
            query block are never visited (causal blocks and unfilled cache slots are skipped).
@@ -30,6 +32,7 @@ are cast to the value dtype for the P @ V product, as in the naive path.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -64,7 +67,8 @@ def attend(
   if impl == "naive":
     if layer is not None:  # the cache is head-major already
       return _naive_head_major(q_BxTxHxDh, k[layer], v[layer], q_slots_BxT, k_valid_BxS)
-    return naive(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS)
+    # Without a cache a query's slot is its own index (or -1): the causal blocks apply.
+    return naive(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS, query_block=QUERY_BLOCK)
   if impl == "cudnn":
     return _cudnn(q_BxTxHxDh, k, v, q_slots_BxT, k_valid_BxS)
   if impl == "splash":
@@ -117,19 +121,49 @@ def visibility(q_slots_BxT: jax.Array, k_valid_BxS: jax.Array) -> jax.Array:
   return (key_slots_1x1xS <= q_slots_BxT[:, :, None]) & k_valid_BxS[:, None, :]
 
 
+# Query rows per static causal block of the uncached naive path (see ``causal_blocks``).
+# Measured on XLA:CPU (one 30M layer, B 32, T 288, f32, against one block): forward
+# 0.119 -> 0.098 / 0.080 / 0.075 / 0.077 s and forward + backward 0.26 -> 0.22 / 0.18 / 0.17 /
+# 0.17 s with 2 / 3 / 4 / 6 blocks; flat from 4 to 8 blocks, slower again at 12.
+QUERY_BLOCK = 64
+
+
+def causal_blocks(t: int, query_block: int) -> list[tuple[int, int]]:
+  """Static query blocks [start, end) of a T-row causal attention, sized evenly with at most
+  ``query_block`` rows each (one block when ``query_block`` is 0 or >= T). Block i only needs
+  keys [0, end): a query sees no key past its own slot."""
+  n = -(-t // query_block) if query_block else 1
+  bounds = [round(t * i / n) for i in range(n + 1)]
+  return list(itertools.pairwise(bounds))
+
+
+def causal_score_fraction(t: int, query_block: int) -> float:
+  """The share of the [T, T] scores the causal blocks compute (1.0 for one block)."""
+  return sum((end - start) * end for start, end in causal_blocks(t, query_block)) / (t * t)
+
+
 def naive(
   q_BxTxHxDh: jax.Array,
   k_BxSxKxDh: jax.Array,
   v_BxSxKxDh: jax.Array,
   q_slots_BxT: jax.Array,
   k_valid_BxS: jax.Array,
+  query_block: int = 0,
 ) -> jax.Array:
-  """Softmax attention over the full score matrix; query head h reads kv head h // (H / K)."""
+  """Softmax attention over the full score matrix; query head h reads kv head h // (H / K).
+
+  ``query_block`` > 0 splits the queries into static causal blocks (``causal_blocks``), each
+  against only the keys up to its last row; this is exact only where every query's slot is its
+  own index or -1 (attention without a cache), which is where ``attend`` uses it."""
   k_BxKxSxDh, v_BxKxSxDh = jnp.swapaxes(k_BxSxKxDh, 1, 2), jnp.swapaxes(v_BxSxKxDh, 1, 2)
-  return _naive_head_major(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_slots_BxT, k_valid_BxS)
+  return _naive_head_major(
+    q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_slots_BxT, k_valid_BxS, query_block
+  )
 
 
-def _naive_head_major(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_slots_BxT, k_valid_BxS):
+def _naive_head_major(
+  q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_slots_BxT, k_valid_BxS, query_block: int = 0
+):
   """``naive`` with keys and values head-major. Both products are plain batched matmuls over
   (B, K) with the G query heads of a KV head stacked along the rows ([G*T, Dh] @ [Dh, S]), so
   the scores come out in the layout the softmax reads and no [T, S]-sized operand is transposed.
@@ -138,21 +172,26 @@ def _naive_head_major(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_slots_BxT, k_valid_B
   b, t, h, dh = q_BxTxHxDh.shape
   kh, s = k_BxKxSxDh.shape[1], k_BxKxSxDh.shape[2]
   g = h // kh
-  q_BxKxMxDh = jnp.transpose(q_BxTxHxDh.reshape(b, t, kh, g, dh), (0, 2, 3, 1, 4)).reshape(
-    b, kh, g * t, dh
-  )
-  scores_BxKxMxS = jnp.einsum(
-    "bkmd,bksd->bkms", q_BxKxMxDh, k_BxKxSxDh, preferred_element_type=jnp.float32
-  )
-  scores_BxKxGxTxS = scores_BxKxMxS.reshape(b, kh, g, t, s) * (1.0 / math.sqrt(dh))
-  allowed_BxTxS = visibility(q_slots_BxT, k_valid_BxS)
-  scores_BxKxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKxGxTxS, _MASKED)
-  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxKxSxDh.dtype)
-  out_BxKxMxDh = jnp.einsum("bkms,bksd->bkmd", probs_BxKxGxTxS.reshape(b, kh, g * t, s), v_BxKxSxDh)
-  out_BxTxHxDh = jnp.transpose(out_BxKxMxDh.reshape(b, kh, g, t, dh), (0, 3, 1, 2, 4)).reshape(
-    b, t, h, dh
-  )
-  sees_any_BxT = jnp.any(allowed_BxTxS, axis=-1)
+  q_BxKxGxTxDh = jnp.transpose(q_BxTxHxDh.reshape(b, t, kh, g, dh), (0, 2, 3, 1, 4))
+  blocks = causal_blocks(t, query_block) if query_block else [(0, t)]
+  outs, sees = [], []
+  for start, end in blocks:
+    m, keys = end - start, s if len(blocks) == 1 else end
+    q_BxKxMxDh = q_BxKxGxTxDh[:, :, :, start:end].reshape(b, kh, g * m, dh)
+    scores_BxKxMxS = jnp.einsum(
+      "bkmd,bksd->bkms", q_BxKxMxDh, k_BxKxSxDh[:, :, :keys], preferred_element_type=jnp.float32
+    )
+    scores_BxKxGxMxS = scores_BxKxMxS.reshape(b, kh, g, m, keys) * (1.0 / math.sqrt(dh))
+    allowed_BxMxS = visibility(q_slots_BxT[:, start:end], k_valid_BxS[:, :keys])
+    scores_BxKxGxMxS = jnp.where(allowed_BxMxS[:, None, None], scores_BxKxGxMxS, _MASKED)
+    probs_BxKxGxMxS = jax.nn.softmax(scores_BxKxGxMxS, axis=-1).astype(v_BxKxSxDh.dtype)
+    probs_BxKxMxS = probs_BxKxGxMxS.reshape(b, kh, g * m, keys)
+    out_BxKxMxDh = jnp.einsum("bkms,bksd->bkmd", probs_BxKxMxS, v_BxKxSxDh[:, :, :keys])
+    outs.append(out_BxKxMxDh.reshape(b, kh, g, m, dh))
+    sees.append(jnp.any(allowed_BxMxS, axis=-1))
+  out_BxKxGxTxDh = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+  out_BxTxHxDh = jnp.transpose(out_BxKxGxTxDh, (0, 3, 1, 2, 4)).reshape(b, t, h, dh)
+  sees_any_BxT = sees[0] if len(sees) == 1 else jnp.concatenate(sees, axis=1)
   return jnp.where(sees_any_BxT[:, :, None, None], out_BxTxHxDh, 0).astype(q_BxTxHxDh.dtype)
 
 

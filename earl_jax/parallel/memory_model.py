@@ -16,7 +16,8 @@ Memory terms (per device, bytes), following what the programs keep alive at thei
               extra copies (XLA:CPU double-buffers the cache carried through the decode loop)
   activations one layer's attention temporaries (``model.attention`` as the platform resolves
               ``auto``, see ``attention.resolve``: naive keeps f32 [B, H, T, S] scores ~3 times,
-              and without remat every layer's probabilities for the backward pass; the blockwise
+              and without remat every layer's probabilities for the backward pass, without a
+              cache only its causal query blocks' share of them; the blockwise
               kernels keep [B, H, Bq, Bk] score blocks, key/value block copies and O(T)
               accumulators, and in the backward pass f32 dq/dk/dv), MLP intermediates, and for
               the update the per-layer residuals saved for the backward pass (all of them, or
@@ -186,6 +187,18 @@ def _attention_impl(cfg: ModelConfig, spec: DeviceSpec, seq_len: int, cached: bo
   )
 
 
+def _naive_score_fraction(queries: int, causal: bool, backward: bool) -> float:
+  """The share of the [T, S] scores naive attention holds: its causal query blocks skip the
+  keys past each block's last query (``attention.causal_blocks``). The backward pass keeps every
+  block's probabilities; a forward pass alone about half the blocks' scores at once (fitted to
+  XLA:CPU's compiled reference peaks at T 256 and 512 on four meshes: predicted/compiled
+  0.9-1.2 with half, 0.55-0.8 with the largest block alone, 1.4-1.9 with all of them)."""
+  if not causal:
+    return 1.0
+  share = attention.causal_score_fraction(queries, attention.QUERY_BLOCK)
+  return share if backward else share / 2
+
+
 def _attention_bytes(
   cfg: ModelConfig,
   impl: str,
@@ -197,15 +210,18 @@ def _attention_bytes(
   backward: bool = False,
   remat: bool = False,
   unrolled: bool = False,
+  causal: bool = False,
 ) -> int:
-  """One layer's live attention temporaries under ``impl`` (see the module docstring)."""
+  """One layer's live attention temporaries under ``impl`` (see the module docstring);
+  ``causal``: uncached, so naive computes only its causal query blocks' scores."""
   heads = cfg.num_heads // tp_heads
   if impl == "naive":
     if backward and remat:
       copies = _REMAT_BACKWARD_SCORE_COPIES
     elif backward:
       copies = _UNROLLED_BACKWARD_SCORE_COPIES if unrolled else _BACKWARD_SCORE_COPIES
-    return copies * rows * heads * queries * keys * 4 + rows * queries * keys
+    scores = rows * queries * keys * _naive_score_fraction(queries, causal, backward)
+    return int(copies * heads * scores * 4 + scores)
   cb = _dtype_bytes(cfg.compute_dtype.value)
   kv, dh = max(1, cfg.num_kv_heads // tp_heads), cfg.head_dim
   bq, bk = min(cfg.attention_block, queries), min(cfg.attention_block, keys)
@@ -294,7 +310,7 @@ def _scored(cfg: ModelConfig, plan: StagePlan, w: Workload, spec: DeviceSpec) ->
   tp, f = plan.shards_for(HEADS), cfg.mlp_dim // plan.shards_for(MLP)
   d = cfg.embed_dim
   impl = _attention_impl(cfg, spec, t, False)
-  attn = _attention_bytes(cfg, impl, rows, t, t, tp)
+  attn = _attention_bytes(cfg, impl, rows, t, t, tp, causal=True)
   layer_act = 4 * rows * t * d * cb + 3 * rows * t * f * cb
   vocab = cfg.padded_vocab_size // plan.shards_for(VOCAB)
   logits = _LOGIT_COPIES * rows * min(w.logits_chunk, t) * vocab * 4
@@ -312,11 +328,11 @@ def _scored(cfg: ModelConfig, plan: StagePlan, w: Workload, spec: DeviceSpec) ->
   # with remat only its input, and the layer being differentiated recomputes its own.
   attn = _attention_bytes(
     cfg, impl, rows, t, t, tp, backward=True, remat=plan.remat != "none",
-    unrolled=cfg.unrolled_forward(spec.platform, plan.remat),
+    unrolled=cfg.unrolled_forward(spec.platform, plan.remat), causal=True,
   )  # fmt: skip
   saved = rows * t * _saved_bytes_per_token(cfg, plan)
-  if impl == "naive":  # its backward reads the layer's f32 probabilities [B, H, T, T]
-    saved += rows * (cfg.num_heads // tp) * t * t * 4
+  if impl == "naive":  # its backward reads the layer's f32 probabilities (its causal blocks)
+    saved += int(rows * (cfg.num_heads // tp) * t * t * 4 * _naive_score_fraction(t, True, True))
   if plan.remat == "none":
     saved = cfg.num_layers * saved
   else:

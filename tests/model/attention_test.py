@@ -60,6 +60,46 @@ def test_chunked_matches_naive_forward_and_gradients(t, block, lengths, left):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
+def test_causal_blocks_cover_the_queries():
+  assert attention.causal_blocks(288, 64) == [
+    (0, 58),
+    (58, 115),
+    (115, 173),
+    (173, 230),
+    (230, 288),
+  ]
+  assert attention.causal_blocks(40, 0) == attention.causal_blocks(40, 64) == [(0, 40)]
+  assert attention.causal_score_fraction(40, 64) == 1.0
+  # n even blocks of a T x T causal product compute (n + 1) / (2n) of the scores.
+  assert attention.causal_score_fraction(256, 64) == pytest.approx(5 / 8)
+
+
+@pytest.mark.parametrize(
+  "t,query_block,lengths,left",
+  [
+    (40, 16, (40, 23, 1), (0, 0, 0)),  # right padding, T not a multiple of the block
+    (40, 8, (30, 17, 5), (10, 3, 0)),  # left padding: the first blocks of a row see nothing
+    (33, 7, (33, 20, 0), (0, 13, 0)),  # an all-padding row; odd block
+  ],
+)
+def test_causal_query_blocks_match_naive_forward_and_gradients(t, query_block, lengths, left):
+  """The uncached naive path (``attend``) in static causal query blocks equals one block."""
+  q, k, v = _inputs(t, t, seed=t + query_block)
+  slots, valid = _packed(t, lengths, left)
+  cot = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.float32)
+  whole = lambda q, k, v: attention.naive(q, k, v, slots, valid)  # noqa: E731
+  blocked = lambda q, k, v: attention.naive(q, k, v, slots, valid, query_block)  # noqa: E731
+  out_w, out_b = jax.jit(whole)(q, k, v), jax.jit(blocked)(q, k, v)
+  np.testing.assert_allclose(np.asarray(out_b), np.asarray(out_w), atol=1e-5, rtol=0)
+  assert np.all(np.asarray(out_b)[~np.asarray(valid)] == 0)
+
+  def loss(fn):
+    return jax.grad(lambda *a: jnp.sum(fn(*a) * cot * valid[:, :, None, None]), argnums=(0, 1, 2))
+
+  for a, b in zip(jax.jit(loss(blocked))(q, k, v), jax.jit(loss(whole))(q, k, v)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
 def test_cache_slots_multi_turn_match_naive():
   """A prefill chunk into a partly filled cache: rows at different fill levels, stacked layers."""
   t, s, layers = 5, 37, 3
