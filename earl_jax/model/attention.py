@@ -121,18 +121,21 @@ def visibility(q_slots_BxT: jax.Array, k_valid_BxS: jax.Array) -> jax.Array:
   return (key_slots_1x1xS <= q_slots_BxT[:, :, None]) & k_valid_BxS[:, None, :]
 
 
-# Query rows per static causal block of the uncached naive path (see ``causal_blocks``).
-# Measured on XLA:CPU (one 30M layer, B 32, T 288, f32, against one block): forward
+# Query rows per static causal block of the uncached naive path (see ``causal_blocks``), and at
+# most this many blocks (they are unrolled: a long explicit-naive sequence must not multiply the
+# program). Measured on XLA:CPU (one 30M layer, B 32, T 288, f32, against one block): forward
 # 0.119 -> 0.098 / 0.080 / 0.075 / 0.077 s and forward + backward 0.26 -> 0.22 / 0.18 / 0.17 /
 # 0.17 s with 2 / 3 / 4 / 6 blocks; flat from 4 to 8 blocks, slower again at 12.
 QUERY_BLOCK = 64
+MAX_QUERY_BLOCKS = 8
 
 
 def causal_blocks(t: int, query_block: int) -> list[tuple[int, int]]:
   """Static query blocks [start, end) of a T-row causal attention, sized evenly with at most
-  ``query_block`` rows each (one block when ``query_block`` is 0 or >= T). Block i only needs
-  keys [0, end): a query sees no key past its own slot."""
-  n = -(-t // query_block) if query_block else 1
+  ``query_block`` rows each, or ``MAX_QUERY_BLOCKS`` even blocks where that would take more (one
+  block when ``query_block`` is 0 or >= T). Block i only needs keys [0, end): a query sees no
+  key past its own slot."""
+  n = min(-(-t // query_block), MAX_QUERY_BLOCKS) if query_block else 1
   bounds = [round(t * i / n) for i in range(n + 1)]
   return list(itertools.pairwise(bounds))
 

@@ -70,6 +70,9 @@ def test_causal_blocks_cover_the_queries():
   ]
   assert attention.causal_blocks(40, 0) == attention.causal_blocks(40, 64) == [(0, 40)]
   assert attention.causal_score_fraction(40, 64) == 1.0
+  # A long sequence is cut into at most MAX_QUERY_BLOCKS blocks (they are unrolled).
+  long = attention.causal_blocks(32768, 64)
+  assert len(long) == attention.MAX_QUERY_BLOCKS and long[-1] == (28672, 32768)
   # n even blocks of a T x T causal product compute (n + 1) / (2n) of the scores.
   assert attention.causal_score_fraction(256, 64) == pytest.approx(5 / 8)
 
