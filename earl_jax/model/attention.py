@@ -175,6 +175,10 @@ def _naive_head_major(
   b, t, h, dh = q_BxTxHxDh.shape
   kh, s = k_BxKxSxDh.shape[1], k_BxKxSxDh.shape[2]
   g = h // kh
+  if query_block and s != t:
+    raise ValueError(
+      f"causal query blocks need keys aligned with the queries (S == T), got {s} != {t}"
+    )
   q_BxKxGxTxDh = jnp.transpose(q_BxTxHxDh.reshape(b, t, kh, g, dh), (0, 2, 3, 1, 4))
   blocks = causal_blocks(t, query_block) if query_block else [(0, t)]
   outs, sees = [], []

@@ -75,6 +75,10 @@ def test_causal_blocks_cover_the_queries():
   assert len(long) == attention.MAX_QUERY_BLOCKS and long[-1] == (28672, 32768)
   # n even blocks of a T x T causal product compute (n + 1) / (2n) of the scores.
   assert attention.causal_score_fraction(256, 64) == pytest.approx(5 / 8)
+  q, k, v = _inputs(8, 12)  # keys not aligned with the queries (a cache): no causal blocks
+  slots, valid = _packed(12, (12, 12, 12))
+  with pytest.raises(ValueError, match="S == T"):
+    attention.naive(q, k, v, slots[:, :8], valid, query_block=4)
 
 
 @pytest.mark.parametrize(
