@@ -11,7 +11,7 @@ the same rule. Every implementation returns the same values (tested to 1e-5 in f
 
   naive    materialises the [B, K, G, T, S] scores: the reference, and fast for tiny T. Without
            a cache ``attend`` runs it in static causal query blocks (``causal_blocks``): block i
-           multiplies only the keys up to its last query, about half the scores at T 288.
+           multiplies only the keys up to its last query (60% of the scores at T 288).
   chunked  blockwise online softmax (FlashAttention-2 in plain JAX) with a hand-written backward
            pass: memory O(T) in forward and gradient; key blocks past the last visible slot of a
            query block are never visited (causal blocks and unfilled cache slots are skipped).
