@@ -90,7 +90,8 @@ def test_causal_blocks_cover_the_queries():
   ],
 )
 def test_causal_query_blocks_match_naive_forward_and_gradients(t, query_block, lengths, left):
-  """The uncached naive path (``attend``) in static causal query blocks equals one block."""
+  """Naive attention in static causal query blocks (what ``attend`` runs without a cache) equals
+  one block."""
   q, k, v = _inputs(t, t, seed=t + query_block)
   slots, valid = _packed(t, lengths, left)
   cot = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.float32)
