@@ -32,7 +32,11 @@ page faults per 30M update step); a preloaded tcmalloc or jemalloc keeps and reu
 earlier session that made the 30M update 1.4-1.6x faster on the earl_jax side and 1.04-1.2x on
 torch's (two runs, before the order effect below was known: earl_jax ran right after torch), but
 it holds on to the memory: with ``--devices 1,8`` the 8-device worker grew past 12 GB and the
-kernel killed it on a 24 GB machine, so it is an option, not the default.
+kernel killed it on a 24 GB machine, so it is an option, not the default. ``--allocator thp``
+keeps glibc's malloc and starts every worker with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, as
+``launch/train.py`` starts the trainer (``earl_jax.hostmem``): the kernel then faults those
+buffers in 2 MiB at a time (measured: 1.5 million faults per 30M update step become 8 thousand),
+without holding on to the memory.
 Repetitions are interleaved (every variant once per round, --pause seconds idle before each call;
 each round starts one column later, so no side always runs right after the same other one; with
 two columns a side runs right after the other in one round and right after itself in the next); the
@@ -63,6 +67,7 @@ import ctypes.util
 import dataclasses
 import multiprocessing
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -77,6 +82,7 @@ import torch
 import transformers
 from flax import nnx
 
+from earl_jax import hostmem
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
@@ -293,6 +299,7 @@ class TorchSide:
       ckpt, dtype=torch.float32, attn_implementation="sdpa"
     )
     self.vocab_size = self.model.config.vocab_size
+    self.num_parameters = sum(p.numel() for p in self.model.parameters())
     # Each update variant starts from the checkpoint's weights, as earl_jax's does (its train
     # state is built afresh): the checks compare the first step of each.
     self.initial = {k: v.clone() for k, v in self.model.state_dict().items()}
@@ -379,12 +386,38 @@ ALLOCATORS = {
 }
 
 
+def cpu_description() -> str:
+  """The host CPU's model name and widest x86 vector extension, read off /proc/cpuinfo: the
+  ratios of this benchmark depend on it (XLA:CPU's and torch's kernels use AVX-512 differently),
+  so every table names the CPU it was measured on."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = f.read()
+  except OSError:
+    return platform.processor() or platform.machine()
+  fields = dict(
+    line.split(":", 1) for line in info.splitlines()[:40] if ":" in line and line.strip()
+  )
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  model = fields.get("model name", platform.machine())
+  if "cpu family" in fields:  # a VM's model name can be as bare as "AMD EPYC"
+    model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+  flags = set(fields.get("flags", "").split())
+  isa = next((x for x in ("avx512f", "avx2", "avx") if x in flags), "")
+  return f"{model}, {isa}" if isa else model
+
+
 def allocator_env(choice: str) -> tuple[str, dict[str, str]]:
   """(description, environment for the workers) of --allocator ``choice``; "auto" takes the
   first of tcmalloc, jemalloc that is installed, else the system's malloc; a named one that is
   not installed is an error."""
   if choice == "system":
     return "system malloc", {}
+  if choice == "thp":  # what launch/train.py starts with (earl_jax.hostmem)
+    env = hostmem.thp_environ({})
+    if env is None:
+      sys.exit("--allocator thp: needs glibc >= 2.35 and transparent huge pages in the kernel")
+    return "system+thp malloc (glibc.malloc.hugetlb=1)", env
   names = list(ALLOCATORS) if choice == "auto" else [choice]
   for name in names:
     lib = ctypes.util.find_library(ALLOCATORS[name][0])
@@ -399,10 +432,13 @@ def allocator_env(choice: str) -> tuple[str, dict[str, str]]:
 
 
 def _loaded_allocator() -> str:
-  """Which preloadable allocator this process really runs on (read off its memory map)."""
+  """Which preloadable allocator this process really runs on (read off its memory map), and
+  whether glibc's started on transparent huge pages."""
   with open("/proc/self/maps") as maps:
     text = maps.read()
-  return next((name for name in ALLOCATORS if f"lib{name}" in text), "system")
+  name = next((name for name in ALLOCATORS if f"lib{name}" in text), "system")
+  thp = f"{hostmem.TUNABLE}=1" in os.environ.get("GLIBC_TUNABLES", "").split(":")
+  return f"{name}+thp" if name == "system" and thp else name
 
 
 class _Failure(str):
@@ -563,7 +599,8 @@ def _print_table(results: dict[str, dict[str, Result]], args) -> None:
 def bench_size(size: str, args) -> None:
   with tempfile.TemporaryDirectory() as tmp:
     ckpt = args.checkpoint or tmp
-    params = write_checkpoint(tmp, size) if not args.checkpoint else 0
+    if not args.checkpoint:
+      write_checkpoint(tmp, size)
     allocator, env = allocator_env(args.allocator)
     torch_side = Remote("torch", ckpt, threads=args.threads, env=env)
     jax_sides = [Remote("jax", ckpt, n, env=env) for n in args.devices]
@@ -572,10 +609,11 @@ def bench_size(size: str, args) -> None:
     if loaded != want:
       sys.exit(f"workers run on {sorted(loaded)}, not {allocator}")
     print(f"allocator in every worker: {allocator}")
-    vocab = torch_side.get("vocab_size")
+    vocab, params = torch_side.get("vocab_size"), torch_side.get("num_parameters")
     d = _batch(vocab, REF_B, REF_T)
     prompts = np.random.default_rng(1).integers(0, vocab, size=(32, PROMPT)).astype(np.int32)
-    print(f"\n## {size}: {params / 1e6:.2f}M parameters, float32\n")
+    name = size if not args.checkpoint else args.checkpoint
+    print(f"\n## {name}: {params / 1e6:.2f}M parameters, float32\n")
     for line in _checks(torch_side, jax_sides, d, prompts):
       print(f"- {line}")
 
@@ -637,9 +675,10 @@ def main() -> None:
   parser.add_argument(
     "--allocator",
     default="system",
-    choices=["system", "tcmalloc", "jemalloc", "auto"],
-    help="memory allocator of every worker, both sides alike (tcmalloc/jemalloc: preloaded, "
-    "faster, holds more memory; auto: tcmalloc, else jemalloc, else the system's)",
+    choices=["system", "thp", "tcmalloc", "jemalloc", "auto"],
+    help="memory allocator of every worker, both sides alike (thp: glibc's on transparent huge "
+    "pages, as launch/train.py starts; tcmalloc/jemalloc: preloaded, faster, holds more memory; "
+    "auto: tcmalloc, else jemalloc, else the system's)",
   )
   args = parser.parse_args()
   args.devices = [int(x) for x in args.devices.split(",")]
@@ -653,7 +692,8 @@ def main() -> None:
     sys.exit(f"--devices {max(args.devices)} > {jax.device_count()} devices (XLA_FLAGS)")
   torch.set_num_threads(args.threads)
   print(
-    f"backend {jax.default_backend()}, {jax.device_count()} devices, {os.cpu_count()} cores; "
+    f"backend {jax.default_backend()}, {jax.device_count()} devices, {os.cpu_count()} cores "
+    f"({cpu_description()}); "
     f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
   )
   for size in args.sizes.split(","):

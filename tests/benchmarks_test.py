@@ -70,6 +70,8 @@ def test_peers_benchmark_checks_parity_then_prints_the_table():
   # The same step in micro-batches (gradients accumulated on both sides): checked alike.
   assert "micro-batches of 8: update step 1, 2 device(s): loss" in out.stdout
   assert "allocator in every worker: " in out.stdout  # checked in each worker's memory map
+  assert f"{os.cpu_count()} cores (" in out.stdout  # the header names the CPU
+  assert "## tiny: 0.09M parameters" in out.stdout  # counted on the loaded model
   rows = ("generate B32 +8", "reference B32 T288", "update B32 T288 (", "update B32 T288, micro")
   for row in rows:
     assert f"| {row}" in out.stdout
