@@ -1,13 +1,17 @@
 """Host memory: glibc's malloc on transparent huge pages for the launchers.
 
 XLA:CPU allocates every large buffer of a program (activations, gradients, the temp arena) with
-the host's malloc on each call. glibc serves blocks over 32 MiB with a fresh ``mmap``, and the
-kernel faults their pages in 4 KiB at a time and zeroes them: one update step of a 34M-parameter
-model on one CPU device (batch 32 x 288 tokens, float32) took 1.5 million page faults. With
+the host's malloc on each call, and glibc gives freed memory back to the kernel (blocks over its
+mmap threshold are unmapped; the heaps of the threads' arenas shrink), so the kernel faults the
+pages in again on the next call, 4 KiB at a time, and zeroes them: one update step of a
+34M-parameter model on one CPU device (batch 32 x 288 tokens, float32) took 1.5 million page
+faults, as many with ``glibc.malloc.mmap_max=0`` and no trimming of the main heap. With
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` malloc asks for transparent huge pages
 (``madvise(MADV_HUGEPAGE)``), 2 MiB per fault: measured on 2 cores, 8 thousand faults and
-7.1-7.8 s instead of 9.2-10.7 s for that step, 6.1-6.4 s instead of 6.8-7.4 s in micro-batches
-of 8 rows, the same peak resident memory (``benchmarks/peers.py --allocator thp`` measures it).
+7.1-7.8 s instead of 9.2-10.7 s for that step repeated, 6.1-6.4 s instead of 6.8-7.4 s in
+micro-batches of 8 rows, the same peak resident memory; with generate, reference and update
+taking turns in one process, as in the trainer, 10.1-11.7 s instead of 11.3-13.4 s.
+``benchmarks/peers.py --allocator thp`` starts both of its sides so.
 
 glibc reads its tunables once, when the process starts, so ``launch/train.py`` re-executes
 itself with the tunable added before it imports JAX (``thp_environ``). Nothing is changed when
