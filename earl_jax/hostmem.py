@@ -77,7 +77,7 @@ def reexec_with_thp() -> None:
   """Replaces this process with itself (same interpreter, flags and arguments, same PID) under
   ``thp_environ``'s environment; returns only when there is nothing to do."""
   env = thp_environ(os.environ)
-  if env is None or sys.platform != "linux":
+  if env is None or sys.platform != "linux" or not sys.executable:
     return
   sys.stdout.flush()
   sys.stderr.flush()
