@@ -113,8 +113,8 @@ REF_B, REF_T, CHUNK = 32, 288, 96
 LR = 1e-5
 
 
-def write_checkpoint(path: str, size: str) -> int:
-  """A random Qwen2 checkpoint in ``path``; returns its parameter count."""
+def write_checkpoint(path: str, size: str) -> None:
+  """Writes a random Qwen2 checkpoint of ``size`` to ``path``."""
   config = transformers.Qwen2Config(
     **SIZES[size], max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False
   )
@@ -125,7 +125,6 @@ def write_checkpoint(path: str, size: str) -> int:
       if "norm" not in name:
         p.normal_(0.0, 0.08)
   model.save_pretrained(path)
-  return sum(p.numel() for p in model.parameters())
 
 
 @dataclasses.dataclass
@@ -437,7 +436,7 @@ def _loaded_allocator() -> str:
   with open("/proc/self/maps") as maps:
     text = maps.read()
   name = next((name for name in ALLOCATORS if f"lib{name}" in text), "system")
-  thp = f"{hostmem.TUNABLE}=1" in os.environ.get("GLIBC_TUNABLES", "").split(":")
+  thp = hostmem.setting(os.environ) == "1"
   return f"{name}+thp" if name == "system" and thp else name
 
 

@@ -31,6 +31,15 @@ THP_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)
 
 
+def setting(environ: Mapping[str, str]) -> str | None:
+  """The value of ``glibc.malloc.hugetlb`` in ``environ``'s GLIBC_TUNABLES, None when unset."""
+  for tunable in environ.get("GLIBC_TUNABLES", "").split(":"):
+    name, _, value = tunable.partition("=")
+    if name == TUNABLE:
+      return value
+  return None
+
+
 def thp_environ(
   environ: Mapping[str, str],
   *,
@@ -39,8 +48,7 @@ def thp_environ(
 ) -> dict[str, str] | None:
   """The environment to re-execute with so malloc uses transparent huge pages, or None when
   there is nothing to do (see the module docstring); ``libc`` defaults to this process's."""
-  tunables = environ.get("GLIBC_TUNABLES", "")
-  if any(t.split("=", 1)[0] == TUNABLE for t in tunables.split(":") if t):
+  if setting(environ) is not None:
     return None  # the user's choice (or ours, after the re-exec) stands
   name, version = libc if libc is not None else platform.libc_ver()
   try:
@@ -55,7 +63,7 @@ def thp_environ(
         return None
   except OSError:
     return None  # no transparent huge pages in this kernel
-  ours = f"{TUNABLE}=1"
+  tunables, ours = environ.get("GLIBC_TUNABLES", ""), f"{TUNABLE}=1"
   return {**environ, "GLIBC_TUNABLES": f"{tunables}:{ours}" if tunables else ours}
 
 
@@ -86,9 +94,8 @@ def reexec_with_thp() -> None:
 
 def malloc_description(environ: Mapping[str, str] = os.environ) -> str:
   """One line for the run's header: the malloc page setting this process started with."""
-  for tunable in environ.get("GLIBC_TUNABLES", "").split(":"):
-    name, _, value = tunable.partition("=")
-    if name == TUNABLE:
-      what = {"0": "off", "1": "transparent huge pages", "2": "hugetlbfs pages"}.get(value, "?")
-      return f"host malloc: {TUNABLE}={value} ({what})"
-  return f"host malloc: the C library's default pages ({TUNABLE} not set)"
+  value = setting(environ)
+  if value is None:
+    return f"host malloc: the C library's default pages ({TUNABLE} not set)"
+  what = {"0": "off", "1": "transparent huge pages", "2": "hugetlbfs pages"}.get(value, "?")
+  return f"host malloc: {TUNABLE}={value} ({what})"

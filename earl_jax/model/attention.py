@@ -180,7 +180,7 @@ def _naive_head_major(
       f"causal query blocks need keys aligned with the queries (S == T), got {s} != {t}"
     )
   q_BxKxGxTxDh = jnp.transpose(q_BxTxHxDh.reshape(b, t, kh, g, dh), (0, 2, 3, 1, 4))
-  blocks = causal_blocks(t, query_block) if query_block else [(0, t)]
+  blocks = causal_blocks(t, query_block)
   outs, sees = [], []
   for start, end in blocks:
     m, keys = end - start, s if len(blocks) == 1 else end
