@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from earl_jax import hostmem
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
@@ -108,6 +109,7 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]
+  print(hostmem.host_line())
   print(f"model {MODEL.num_layers} layers D={MODEL.embed_dim} H={MODEL.num_heads} "
         f"K={MODEL.num_kv_heads} Dh={MODEL.head_dim}, batch {args.batch}, block "
         f"{MODEL.attention_block}, backend {jax.default_backend()}, update remat=full")  # fmt: skip

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from earl_jax import hostmem
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
@@ -68,6 +69,7 @@ def main() -> None:
   ap.add_argument("--length", type=int, default=512)
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args()
+  print(hostmem.host_line())
   b, t, shards = args.batch, args.length, jax.device_count()
   plan = make_stage_plan(Stage.UPDATE, range(shards), shards, 1, 1)
   # Rollout order puts long episodes together: the first half of the rows are long.

@@ -20,6 +20,7 @@ import jax
 from flax import nnx
 
 from benchmarks.attention import MODEL, _abstract_batch
+from earl_jax import hostmem
 from earl_jax import model as model_lib
 from earl_jax.parallel.plan import make_stage_plan
 from earl_jax.rl import losses, objective, programs, update
@@ -49,6 +50,7 @@ def main() -> None:
   parser.add_argument("--seq", type=int, default=256)
   parser.add_argument("--batch", type=int, default=4)
   args = parser.parse_args()
+  print(hostmem.host_line())
   print(f"update program, D={MODEL.embed_dim}, batch {args.batch} x {args.seq}, "
         f"backend {jax.default_backend()}")  # fmt: skip
   print("| layers | scan s | unrolled s |")

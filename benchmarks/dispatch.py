@@ -233,6 +233,10 @@ def main() -> int:
   if args.num_processes > 1 and args.process_id < 0:
     return _relaunch(args)
   _setup(args)
+  if args.process_id <= 0:
+    from earl_jax import hostmem
+
+    print(hostmem.host_line())
   start = time.perf_counter()
   _run(args)
   if args.process_id <= 0:

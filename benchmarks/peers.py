@@ -43,21 +43,23 @@ two columns a side runs right after the other in one round and right after itsel
 table gives the median and the range; compile time is measured apart and never counted in the
 throughput.
 
-On this CPU the earl_jax update's time depends on what ran before it. Measured on the 30M update,
-1 device, the same program in identical workers: the worker called right after torch took
-14.5-16.4 s, the others 11.3-12.8 s (torch 7.1-8.5 s); 11.8 s each with no torch worker; 15.0 and
-15.9 s with 10 s pauses. It is not glibc returning the big buffers to the kernel: a worker
-started with GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2**40 (nothing
-mmapped, nothing trimmed) took 11.3-11.9 s against 11.7 s for the plain one in the same
-positions, and 15.5 s right after torch. Hence the rotation; rerun before trusting a difference
-under about 20% in that row.
-
-Nor is torch needed for it. In one earl_jax process alone (30M, 1 device, whole batch), the update
-took 11.5 s right after itself, 13.3 s right after the generate and reference programs, and
-16-17 s the first time; in this benchmark every call follows another program, and it took 19 s.
-In micro-batches of 8 rows (a quarter of the working set) it took 8.5-8.8 s in every position,
-the first call 9.4 s; torch's step took 7.1-7.4 s in micro-batches of 4-16 rows and 9.4-11.5 s
-whole. Hence the micro-batch row.
+The time of a memory-heavy call depends on how long its process idled before it. XLA:CPU mallocs a
+program's temp buffer on every call (5.6 GB for the 30M update of the whole batch, 1.35 GB in
+micro-batches of 8 rows) and glibc hands it back to the kernel when the call ends. The 2-core
+development machines are Firecracker VMs whose virtio-balloon reports free memory to the hypervisor
+(free page reporting: feature bit 5 in /sys/bus/virtio/drivers/virtio_balloon/*/features, blocks of
+2 MiB, about 2 s after they are freed), and memory touched again after that costs a fault in the
+hypervisor too, which the guest sees as kernel time. Measured in one earl_jax process (30M, 1
+device, huge pages; AMD EPYC family 25), the same program repeated: the micro-batched update took
+10.7-11.0 s with 0.6-0.7 s of kernel time back to back and 12.5-12.7 s with 3.5 s right after 5 s
+idle; the whole batch 11.8-12.1 s with 3.0-3.2 s back to back and 13.0 s with 6.0 s after 5 s idle,
+with as many page faults each time. Here each side idles through the other's turn, so both pay it on
+every call, and a shorter --pause does not avoid it (both sides on huge pages: earl_jax's
+whole-batch update 18.1 s at 0.5 s, 17.3 s at 2 s). An earlier session saw it as an order effect:
+the worker called right after torch, or after 10 s pauses, took 14.5-16.4 s, the others 11.3-12.8 s.
+The idle, not torch, is the cause. The trainer runs its stages back to back. Rerun before trusting a
+difference under about 20% in the whole-batch row; the micro-batch row, with a quarter of the
+working set, pays less.
 """
 
 from __future__ import annotations
@@ -67,7 +69,6 @@ import ctypes.util
 import dataclasses
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -385,27 +386,6 @@ ALLOCATORS = {
 }
 
 
-def cpu_description() -> str:
-  """The host CPU's model name and widest x86 vector extension, read off /proc/cpuinfo: the
-  ratios of this benchmark depend on it (XLA:CPU's and torch's kernels use AVX-512 differently),
-  so every table names the CPU it was measured on."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      info = f.read()
-  except OSError:
-    return platform.processor() or platform.machine()
-  fields = dict(
-    line.split(":", 1) for line in info.splitlines()[:40] if ":" in line and line.strip()
-  )
-  fields = {k.strip(): v.strip() for k, v in fields.items()}
-  model = fields.get("model name", platform.machine())
-  if "cpu family" in fields:  # a VM's model name can be as bare as "AMD EPYC"
-    model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
-  flags = set(fields.get("flags", "").split())
-  isa = next((x for x in ("avx512f", "avx2", "avx") if x in flags), "")
-  return f"{model}, {isa}" if isa else model
-
-
 def allocator_env(choice: str) -> tuple[str, dict[str, str]]:
   """(description, environment for the workers) of --allocator ``choice``; "auto" takes the
   first of tcmalloc, jemalloc that is installed, else the system's malloc; a named one that is
@@ -692,7 +672,7 @@ def main() -> None:
   torch.set_num_threads(args.threads)
   print(
     f"backend {jax.default_backend()}, {jax.device_count()} devices, {os.cpu_count()} cores "
-    f"({cpu_description()}); "
+    f"({hostmem.cpu_description()}); "
     f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
   )
   for size in args.sizes.split(","):

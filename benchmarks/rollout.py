@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import longtail
-from earl_jax import config_lib
+from earl_jax import config_lib, hostmem
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
 from earl_jax.rl import rollout, turn_format
@@ -252,6 +252,7 @@ def main() -> None:
     help="(config) override a key of --config, e.g. --set rl.num_groups=2 (repeatable)",
   )  # fmt: skip
   args = p.parse_args()
+  print(hostmem.host_line())
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s)")
   parts = {"longtail": longtail_part, "serving": serving_part, "config": config_part}
   for name in args.parts.split(","):

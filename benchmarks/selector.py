@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from earl_jax import hostmem
 from earl_jax import model as model_lib
 from earl_jax.model.config import ModelConfig
 from earl_jax.parallel import executables as ex
@@ -380,6 +381,7 @@ def main() -> None:
   ap.add_argument("--parts", default="abc")
   ap.add_argument("--repeats", type=int, default=2)
   args = ap.parse_args()
+  print(hostmem.host_line())
   if "c" in args.parts:
     part_c()
   if not set(args.parts) & set("ab"):

@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from earl_jax import config_lib, fit
+from earl_jax import config_lib, fit, hostmem
 from earl_jax.model.config import TokenizerConfig, TokenizerKind
 from earl_jax.rl import batches, loop
 
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     sys.exit(f"unknown arguments {rest}: only --config.<key>=<value> overrides")
   cfg = _config(args, overrides)
   devices = jax.devices()
+  print(hostmem.host_line())
   print(f"{args.config}: {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}")
   print(f"{'stage':10} {'tokens/s':>12} {'range':>25} {'tokens/call':>12}  notes")
   for stage, tokens, times, note in measure(cfg, args.context, args.repeats):

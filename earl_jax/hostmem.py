@@ -1,4 +1,5 @@
-"""Host memory: glibc's malloc on transparent huge pages for the launchers.
+"""The host: glibc's malloc on transparent huge pages for the launchers, and the CPU a run or a
+benchmark ran on (``cpu_description``, printed in their headers).
 
 XLA:CPU allocates every large buffer of a program (activations, gradients, the temp arena) with
 the host's malloc on each call, and glibc gives freed memory back to the kernel (blocks over its
@@ -99,3 +100,35 @@ def malloc_description(environ: Mapping[str, str] = os.environ) -> str:
     return f"host malloc: the C library's default pages ({TUNABLE} not set)"
   what = {"0": "off", "1": "transparent huge pages", "2": "hugetlbfs pages"}.get(value, "?")
   return f"host malloc: {TUNABLE}={value} ({what})"
+
+
+def cpu_description(cpuinfo: str | None = None) -> str:
+  """The host CPU's model name, family and model numbers and widest x86 vector extension, read
+  off /proc/cpuinfo (``cpuinfo``: its text, for tests): CPU timings depend on them (XLA:CPU's and
+  torch's kernels use AVX-512 differently; a VM's model name can be as bare as "AMD EPYC"), so
+  the trainer's header and every benchmark table name the CPU they ran on."""
+  if cpuinfo is None:
+    try:
+      with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    except OSError:
+      return platform.processor() or platform.machine()
+  fields = {}
+  for line in cpuinfo.splitlines():
+    if not line.strip():
+      break  # the first processor's block is enough
+    key, sep, value = line.partition(":")
+    if sep:
+      fields[key.strip()] = value.strip()
+  model = fields.get("model name", platform.machine())
+  if "cpu family" in fields:
+    model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+  flags = set(fields.get("flags", "").split())
+  isa = next((x for x in ("avx512f", "avx2", "avx") if x in flags), "")
+  return f"{model}, {isa}" if isa else model
+
+
+def host_line() -> str:
+  """One header line: the CPU (``cpu_description``) and the cores this process may run on."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return f"host: {cpu_description()}, {cores} cores"

@@ -148,6 +148,7 @@ def main(argv: list[str]) -> None:
     jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(workdir) / "compile_cache"))
   print(f"config {config_file.name}; workdir {workdir}")
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
+  print(hostmem.host_line())  # CPU-side timings depend on it
   print(hostmem.malloc_description())
   try:
     trainer = loop.Trainer(cfg, workdir, allow_config_change=_ALLOW_CONFIG_CHANGE.value)

@@ -55,6 +55,38 @@ def test_malloc_description_names_the_setting():
   assert "not set" in hostmem.malloc_description({})
 
 
+# Two processors' blocks of /proc/cpuinfo, trimmed: a VM's bare AMD name, and an Intel without
+# AVX-512 (the second block must not be read).
+AMD_VM = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw
+
+processor\t: 1
+model name\t: something else
+flags\t\t: fpu
+"""
+INTEL = """processor\t: 0
+cpu family\t: 6
+model\t\t: 85
+model name\t: Intel(R) Xeon(R) CPU @ 2.20GHz
+flags\t\t: fpu sse2 avx avx2 fma
+"""
+
+
+def test_cpu_description_names_model_family_and_widest_avx():
+  assert hostmem.cpu_description(AMD_VM) == "AMD EPYC (family 25, model 17), avx512f"
+  assert (
+    hostmem.cpu_description(INTEL) == "Intel(R) Xeon(R) CPU @ 2.20GHz (family 6, model 85), avx2"
+  )
+  bare = hostmem.cpu_description("model name\t: Some ARM core\nFeatures\t: fp asimd\n")
+  assert bare == "Some ARM core"  # no family line, no x86 flags: the name alone
+  line = hostmem.host_line()  # this machine's, with the cores this process may use
+  assert line.startswith("host: ") and line.endswith(f"{len(os.sched_getaffinity(0))} cores")
+
+
 def test_reexec_replaces_the_process_once_with_the_tunable():
   """A real re-exec: the same PID comes back with the tunable, and only once."""
   code = (
