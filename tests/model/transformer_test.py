@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +14,11 @@ import numpy as np
 import pytest
 import transformers
 from flax import nnx
+from jax import ad_checkpoint
 from jax.sharding import PartitionSpec as P
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from earl_jax.model import PAD_LOGIT, Decoder, logits
+from earl_jax.model import PAD_LOGIT, Decoder, layers, logits
 from earl_jax.model.config import ModelConfig, RopeConfig, RopeType
 from earl_jax.model.layers import rope_inv_freq
 from earl_jax.types import DType
@@ -205,3 +210,39 @@ def test_forward_layers_auto_unrolls_on_cpu_only():
   assert not dataclasses.replace(_CFG, forward_layers="scan").unrolled_forward("cpu")
   with pytest.raises(ValueError, match=r"forward_layers.*auto \| scan \| unrolled"):
     dataclasses.replace(_CFG, forward_layers="loop")
+
+
+def _mlp_sized_residuals(monkeypatch, activation, cfg: ModelConfig, b: int, t: int) -> int:
+  """How many [B, T, F]-sized arrays one SwiGLU keeps for its backward pass, with ``activation``
+  as its silu(gate) * up."""
+  monkeypatch.setattr(layers, "swiglu", activation)
+  mlp = layers.SwiGLU(cfg, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(b, t, cfg.embed_dim)), jnp.float32)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    ad_checkpoint.print_saved_residuals(lambda x: jnp.sum(mlp(x) ** 2), x)
+  shapes = re.findall(r"\w+\[([\d,]+)\]", out.getvalue())
+  return sum(math.prod(int(n) for n in s.split(",")) == b * t * cfg.mlp_dim for s in shapes)
+
+
+def test_swiglu_backward_reads_gate_and_up_only(monkeypatch):
+  """swiglu gives silu(gate) * up and its gradients, and the MLP's backward pass keeps gate and
+  up alone (two [B, T, F] arrays), not the sigmoid and products autodiff would keep too."""
+  rng = np.random.default_rng(1)
+  gate, up = (jnp.asarray(rng.normal(size=(2, 7, 40)), jnp.float32) for _ in range(2))
+
+  def plain(g, u):
+    return jax.nn.silu(g) * u
+
+  for f in (jax.jit(layers.swiglu), jax.jit(plain)):
+    np.testing.assert_allclose(f(gate, up), plain(gate, up), rtol=1e-6, atol=1e-6)
+
+  def cubed(f):
+    return lambda g, u: jnp.sum(f(g, u) ** 3)
+
+  ours_and_plain = [jax.grad(cubed(f), (0, 1))(gate, up) for f in (layers.swiglu, plain)]
+  for ours, reference in zip(*ours_and_plain, strict=True):
+    np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
+  swiglu = layers.swiglu
+  assert _mlp_sized_residuals(monkeypatch, swiglu, _CFG, 2, 7) == 2
+  assert _mlp_sized_residuals(monkeypatch, plain, _CFG, 2, 7) > 2  # what it replaces kept (5)
