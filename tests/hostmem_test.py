@@ -55,8 +55,8 @@ def test_malloc_description_names_the_setting():
   assert "not set" in hostmem.malloc_description({})
 
 
-# Two processors' blocks of /proc/cpuinfo, trimmed: a VM's bare AMD name, and an Intel without
-# AVX-512 (the second block must not be read).
+# /proc/cpuinfo, trimmed: a VM's bare AMD name in two processor blocks (only the first may be
+# read), and an Intel without AVX-512.
 AMD_VM = """processor\t: 0
 vendor_id\t: AuthenticAMD
 cpu family\t: 25
