@@ -6,7 +6,11 @@ the host's malloc on each call, and glibc gives freed memory back to the kernel 
 mmap threshold are unmapped; the heaps of the threads' arenas shrink), so the kernel faults the
 pages in again on the next call, 4 KiB at a time, and zeroes them: one update step of a
 34M-parameter model on one CPU device (batch 32 x 288 tokens, float32) took 1.5 million page
-faults, as many with ``glibc.malloc.mmap_max=0`` and no trimming of the main heap. With
+faults. On VMs that report freed memory to the hypervisor, each such fault after an idle spell
+costs more (``benchmarks/peers.py``'s docstring). Keeping the memory in glibc instead
+(``glibc.malloc.mmap_max=0`` and a trim threshold of 10**12, with huge pages) took the kernel time
+of that step from 2-3 s to 0.1 s in one order of programs, but raised the peak resident memory from
+8.4 to 14.1 GB, and in another order the step still took 3.3 s of kernel time: not used. With
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` malloc asks for transparent huge pages
 (``madvise(MADV_HUGEPAGE)``), 2 MiB per fault: measured on 2 cores, 8 thousand faults and
 7.1-7.8 s instead of 9.2-10.7 s for that step repeated, 6.1-6.4 s instead of 6.8-7.4 s in

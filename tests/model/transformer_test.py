@@ -243,6 +243,5 @@ def test_swiglu_backward_reads_gate_and_up_only(monkeypatch):
   ours_and_plain = [jax.grad(cubed(f), (0, 1))(gate, up) for f in (layers.swiglu, plain)]
   for ours, reference in zip(*ours_and_plain, strict=True):
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
-  swiglu = layers.swiglu
-  assert _mlp_sized_residuals(monkeypatch, swiglu, _CFG, 2, 7) == 2
+  assert _mlp_sized_residuals(monkeypatch, layers.swiglu, _CFG, 2, 7) == 2
   assert _mlp_sized_residuals(monkeypatch, plain, _CFG, 2, 7) > 2  # what it replaces kept (5)
