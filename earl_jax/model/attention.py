@@ -164,6 +164,28 @@ def naive(
   )
 
 
+@jax.custom_jvp
+def softmax(x: jax.Array) -> jax.Array:
+  """Softmax over the last axis whose derivative reads only its output: y * (dx - sum(y * dx)).
+
+  ``jax.nn.softmax`` gets this rule only under the global ``jax_softmax_custom_jvp`` flag (off by
+  default in jax 0.10); differentiated through, its backward pass reads the exponentials and
+  their row sums, and XLA:CPU holds more score-sized buffers at once. The 31M Qwen2 update of
+  32 x 288 tokens (f32, XLA:CPU) compiles to 3.8 GiB of temp memory with this rule against
+  4.6 GiB (16 x 288: 1.9 against 2.3 GiB; 8 x 288: the same); see
+  ``tests/model/transformer_test.py::test_attention_softmax_backward_holds_less_memory``.
+  Masked scores are finite (``_MASKED``), so no row is inf - inf."""
+  e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+  return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+@softmax.defjvp
+def _softmax_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  y = softmax(x)
+  return y, y * (dx - jnp.sum(y * dx, axis=-1, keepdims=True))
+
+
 def _naive_head_major(
   q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_slots_BxT, k_valid_BxS, query_block: int = 0
 ):
@@ -191,7 +213,7 @@ def _naive_head_major(
     scores_BxKxGxMxS = scores_BxKxMxS.reshape(b, kh, g, m, keys) * (1.0 / math.sqrt(dh))
     allowed_BxMxS = visibility(q_slots_BxT[:, start:end], k_valid_BxS[:, :keys])
     scores_BxKxGxMxS = jnp.where(allowed_BxMxS[:, None, None], scores_BxKxGxMxS, _MASKED)
-    probs_BxKxGxMxS = jax.nn.softmax(scores_BxKxGxMxS, axis=-1).astype(v_BxKxSxDh.dtype)
+    probs_BxKxGxMxS = softmax(scores_BxKxGxMxS).astype(v_BxKxSxDh.dtype)
     probs_BxKxMxS = probs_BxKxGxMxS.reshape(b, kh, g * m, keys)
     out_BxKxMxDh = jnp.einsum("bkms,bksd->bkmd", probs_BxKxMxS, v_BxKxSxDh[:, :, :keys])
     outs.append(out_BxKxMxDh.reshape(b, kh, g, m, dh))

@@ -11,6 +11,7 @@ rotary rotation and the softmax run in float32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -54,17 +55,29 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> jax
 
 
 class RMSNorm(nnx.Module):
-  """x / rms(x) * scale, computed in float32 and cast back before the scale (as HF does)."""
+  """x / rms(x) * scale (``rms_norm``)."""
 
   def __init__(self, dim: int, eps: float, *, param_dtype: jnp.dtype):
     self.eps = eps
     self.scale = param(jnp.ones((dim,), param_dtype), NORM)
 
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-    x32_BxTxD = x_BxTxD.astype(jnp.float32)
-    ms_BxTx1 = jnp.mean(jnp.square(x32_BxTxD), axis=-1, keepdims=True)
-    normed_BxTxD = (x32_BxTxD * jax.lax.rsqrt(ms_BxTx1 + self.eps)).astype(x_BxTxD.dtype)
-    return normed_BxTxD * self.scale[...].astype(x_BxTxD.dtype)[None, None]
+    return rms_norm(x_BxTxD, self.scale[...], self.eps)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+  """x / rms(x) * scale, computed in float32 and cast back before the scale (as HF does).
+
+  Rematerialised: the backward pass keeps ``x`` (and the scale) and recomputes the statistics and
+  the normalised x, a few elementwise operations over [B, T, D]; the output is kept by the
+  projection that reads it, for its weight gradient, as before. Left to autodiff, each norm kept
+  two more [B, T, D] arrays (x / rms(x) and its scaled copy): 17 norms of the 31M Qwen2 update of
+  32 x 288 tokens held 0.6 GiB of its compiled temp memory (4,458 -> 3,847 MiB on XLA:CPU)."""
+  x32_BxTxD = x_BxTxD.astype(jnp.float32)
+  ms_BxTx1 = jnp.mean(jnp.square(x32_BxTxD), axis=-1, keepdims=True)
+  normed_BxTxD = (x32_BxTxD * jax.lax.rsqrt(ms_BxTx1 + eps)).astype(x_BxTxD.dtype)
+  return normed_BxTxD * scale_D.astype(x_BxTxD.dtype)[None, None]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ _SCORE_COPIES = 3  # scores, masked scores, softmax probabilities (f32), see mod
 # compiled peaks (T 256 and 512, 2 and 4 layers, remat none and full): ~6 in a scan, ~3 with the
 # layers unrolled (model.forward_layers; no stacked residual buffers beside them), ~2 when the
 # layer is rematerialised (always scanned). Without remat each layer's saved probabilities come
-# on top, see _scored.
+# on top, see _scored. Fitted before the softmax's own derivative rule (``attention.softmax``),
+# whose backward pass holds fewer score-sized buffers at large B x T (the 31M update of 32 x 288
+# tokens: 0.8 GiB less), so these err high there, on the safe side.
 _BACKWARD_SCORE_COPIES = 6
 _UNROLLED_BACKWARD_SCORE_COPIES = 3
 _REMAT_BACKWARD_SCORE_COPIES = 2
@@ -288,11 +290,16 @@ def _saved_bytes_per_token(cfg: ModelConfig, plan: StagePlan) -> int:
   float32, product). That fit predates the rematerialised MLP activation (``layers.swiglu``: the
   backward pass keeps gate and up only), so the MLP term now errs high by up to (cb + 8) bytes per
   element, on the safe side; the CPU peaks the tests compare with stay within MEMORY_TOLERANCE.
+  It also predates the rematerialised RMSNorm (``layers.rms_norm``), which no longer keeps
+  x / rms(x) and its scaled copy: two [B, T, D] arrays per norm, two norms per layer (measured in
+  float32 on the 31M update on XLA:CPU: 611 MiB for 17 norms). The residual-stream term drops
+  by 2 x (4 + cb) bytes per element accordingly, counting one of the two at the compute dtype so
+  that bf16 is not under-predicted (exact at float32: 48 -> 32 bytes).
   """
   cb = _dtype_bytes(cfg.compute_dtype.value)
   heads = cfg.num_heads * cfg.head_dim // plan.shards_for(HEADS)
   return (
-    48 * cfg.embed_dim
+    (40 - 2 * cb) * cfg.embed_dim
     + (8 * cb + 40) * heads
     + (3 * cb + 8) * (cfg.mlp_dim // plan.shards_for(MLP))
   )

@@ -244,3 +244,27 @@ def test_chunked_gradient_memory_is_linear_in_t():
   assert c2 / c1 < 2.3, (c1, c2)
   assert n2 / n1 > 3.0, (n1, n2)
   assert c2 < n2 / 10
+
+
+def test_softmax_matches_jax_nn_softmax_to_second_order():
+  """``attention.softmax`` (its own derivative rule) gives jax.nn.softmax's values and first and
+  second derivatives, masked entries included. Its memory effect is tested on the decoder
+  (transformer_test.py::test_attention_softmax_backward_holds_less_memory)."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 5, 9)).astype(np.float32)
+  x = jnp.asarray(np.where(rng.random(x.shape) < 0.3, attention._MASKED, x))
+  x = x.at[:, :, 0].set(1.0)  # every row sees something
+  theirs = lambda x: jax.nn.softmax(x, axis=-1)  # noqa: E731
+  np.testing.assert_allclose(attention.softmax(x), theirs(x), rtol=1e-6, atol=1e-7)
+  weights = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+
+  def first(f):
+    return jax.grad(lambda x: jnp.sum(jnp.sin(f(x)) * weights))
+
+  def second(f):
+    return jax.grad(lambda x: jnp.sum(first(f)(x) ** 2))
+
+  for derivative in (first, second):
+    np.testing.assert_allclose(
+      derivative(attention.softmax)(x), derivative(theirs)(x), rtol=1e-4, atol=1e-5
+    )
