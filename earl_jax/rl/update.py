@@ -147,6 +147,17 @@ def _combine(key: str, a: jax.Array, b: jax.Array) -> jax.Array:
   return a + b
 
 
+def _identity(key: str, like: jax.ShapeDtypeStruct) -> jax.Array:
+  """The start of ``_combine``'s reduction for metric ``key``, shaped and typed ``like``."""
+  if not key.endswith(("_max", "_min")):
+    return jnp.zeros(like.shape, like.dtype)
+  if jnp.issubdtype(like.dtype, jnp.floating):
+    low, high = -jnp.inf, jnp.inf
+  else:
+    low, high = jnp.iinfo(like.dtype).min, jnp.iinfo(like.dtype).max
+  return jnp.full(like.shape, low if key.endswith("_max") else high, like.dtype)
+
+
 def _gradients(graphdef, params, batch, loss_fn, totals_fn, num_micro_batches):
   """Loss, float32 gradients and metrics of one (mini-)batch, accumulated over micro-batches."""
   totals = totals_fn(batch)
@@ -157,8 +168,8 @@ def _gradients(graphdef, params, batch, loss_fn, totals_fn, num_micro_batches):
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
   f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
   micros = split_rows(batch, num_micro_batches, "num_micro_batches")
-  (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micros))
   if num_micro_batches == 1:
+    (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micros))
     return loss, f32(grads), metrics
 
   def accumulate(carry, micro):
@@ -168,8 +179,18 @@ def _gradients(graphdef, params, batch, loss_fn, totals_fn, num_micro_batches):
     metrics_acc = {k: _combine(k, metrics_acc[k], v) for k, v in metrics.items()}
     return (loss_acc + loss, grads_acc, metrics_acc), None
 
-  rest = jax.tree.map(lambda x: x[1:], micros)
-  (loss, grads, metrics), _ = jax.lax.scan(accumulate, (loss, f32(grads), metrics), rest)
+  # Every micro-batch inside the scan, from the identity of each sum / max / min (so the result
+  # is the same to the bit as starting from the first): a micro-batch computed outside the loop,
+  # next to a loop of one trip that XLA unrolls, let the scheduler interleave two micro-batches
+  # and hold both one's activations (31M update, 32 x 288 in two micro-batches of 16: compiled
+  # temp 3.7 GiB against 2.0 GiB for 16 rows alone).
+  (loss0, metrics0), grads0 = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micros))
+  init = (
+    jnp.zeros(loss0.shape, loss0.dtype),
+    jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), grads0),
+    {k: _identity(k, v) for k, v in metrics0.items()},
+  )
+  (loss, grads, metrics), _ = jax.lax.scan(accumulate, init, micros)
   return loss, grads, metrics
 
 
