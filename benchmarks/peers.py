@@ -44,9 +44,10 @@ table gives the median and the range; compile time is measured apart and never c
 throughput.
 
 The time of a memory-heavy call depends on how long its process idled before it. XLA:CPU mallocs a
-program's temp buffer on every call (5.6 GB for the 30M update of the whole batch, 1.35 GB in
-micro-batches of 8 rows) and glibc hands it back to the kernel when the call ends. The 2-core
-development machines are Firecracker VMs whose virtio-balloon reports free memory to the hypervisor
+program's temp buffer on every call (4.0 GB for the 30M update of the whole batch, 5.5 GB before
+the softmax rule and the RMSNorm remat; 1.3 GB in micro-batches of 8 rows) and glibc hands it
+back to the kernel when the call ends. The 2-core development machines are Firecracker VMs
+whose virtio-balloon reports free memory to the hypervisor
 (free page reporting: feature bit 5 in /sys/bus/virtio/drivers/virtio_balloon/*/features, blocks of
 2 MiB, about 2 s after they are freed), and memory touched again after that costs a fault in the
 hypervisor too, which the guest sees as kernel time. Measured in one earl_jax process (30M, 1
