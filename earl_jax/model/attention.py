@@ -172,7 +172,7 @@ def softmax(x: jax.Array) -> jax.Array:
   default in jax 0.10); differentiated through, its backward pass reads the exponentials and
   their row sums, and XLA:CPU holds more score-sized buffers at once. The 31M Qwen2 update of
   32 x 288 tokens (f32, XLA:CPU) compiles to 3.8 GiB of temp memory with this rule against
-  4.6 GiB (16 x 288: 1.9 against 2.3 GiB; 8 x 288: the same); see
+  4.5 GiB (16 x 288: 1.9 against 2.3 GiB; 8 x 288: the same); see
   ``tests/model/transformer_test.py::test_attention_softmax_backward_holds_less_memory``.
   Masked scores are finite (``_MASKED``), so no row is inf - inf."""
   e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))

@@ -262,7 +262,7 @@ def test_attention_softmax_backward_holds_less_memory(monkeypatch):
   """The default run's decoder (naive attention on CPU), 16 rows of 128 tokens: the backward
   pass over ``attention.softmax`` compiles to less temp memory than over jax.nn.softmax, by at
   least one layer's [B, H, T, T] probabilities (measured 28 against 41 MB; the 31M update of
-  32 x 288 tokens: 3.8 against 4.6 GiB)."""
+  32 x 288 tokens: 3.8 against 4.5 GiB)."""
   b, t = 16, 128
   cfg = ModelConfig(
     vocab_size=105, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
